@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine: `make test` and `make export`. Both set up first when needed.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# torch and torchvision lie on this machine's disk; pin them so pip never pulls a multi-GB build from the registry.
+# Elsewhere: `make TORCH_SPEC="torch torchvision"`, or install your own torch into $(VENV) first.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+EXTRAS ?= serve,dev,slim
+STAMP  := $(VENV)/.d2export-setup
+CONFIG ?= textdet
+PYTEST_ARGS ?=
+
+.PHONY: setup test export bench clean
+setup: $(STAMP)
+
+$(STAMP): setup.py scripts/install_detectron2.py Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip wheel "setuptools<82"
+	@$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) scripts/install_detectron2.py
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@touch $@
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+export: setup
+	$(PY) tools/export.py --config $(CONFIG)
+
+bench: setup
+	$(PY) tools/benchmark.py all
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

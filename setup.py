@@ -1,0 +1,53 @@
+"""d2export: export detectron2 detectors with deformable attention (TESTR-like text spotters) to ONNX and serve them."""
+import os
+import re
+from importlib import metadata
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "d2export" / "__init__.py").read_text()).group(1)
+
+
+def has_dist(name: str) -> bool:
+    try:
+        metadata.version(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+# onnxruntime and onnxruntime-gpu both provide the `onnxruntime` module and must not be installed together: take the
+# GPU build where it is installed already or asked for (D2EXPORT_ONNXRUNTIME=gpu, with the `gpu` extra).
+WANT_GPU = os.environ.get("D2EXPORT_ONNXRUNTIME") == "gpu" or has_dist("onnxruntime-gpu")
+ORT = [] if WANT_GPU else ["onnxruntime>=1.17"]
+
+setup(
+    name="d2export",
+    version=VERSION,
+    description=__doc__,
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=find_packages(include=["d2export", "d2export.*"]),
+    package_data={"d2export": ["py.typed"]},
+    install_requires=[
+        # detectron2 is required too, but it is not on the registry for every Python: see scripts/install_detectron2.py
+        "torch>=2.1",
+        "torchvision>=0.16",
+        "onnx>=1.15",
+        *ORT,
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "numpy>=1.23",
+        "Pillow>=9.0",
+    ],
+    extras_require={
+        "gpu": ["onnxruntime-gpu>=1.17"],
+        "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6"],
+        "slim": ["onnxslim>=0.1.30"],
+        "dev": ["pytest>=7", "psutil>=5", "httpx>=0.24"],
+    },
+    entry_points={"console_scripts": ["d2export=d2export.cli:main"]},
+)
