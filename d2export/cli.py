@@ -1,0 +1,126 @@
+"""The `d2export` command. `d2export export --config textdet [key=value …]` is `tools/export.py`.
+
+Configs are Hydra's: `--config` takes a bare name (looked up in ./configs, then in the repository's configs/) or a
+path to a YAML; everything after it is Hydra's override grammar, and `--multirun` sweeps (ending in one table).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+log = logging.getLogger("d2export")
+
+
+def find_config(name: str) -> Path:
+    p = Path(name)
+    candidates = [p] if p.suffix in (".yaml", ".yml") else [p.with_suffix(".yaml"), p]
+    if not p.is_absolute() and len(p.parts) == 1:
+        candidates += [Path("configs") / c for c in candidates] + [REPO_CONFIGS / c for c in candidates]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    known = sorted(f.stem for f in REPO_CONFIGS.glob("*.yaml"))
+    raise SystemExit(f"d2export: error: no config {name!r} (bare names are looked up in configs/: {', '.join(known)})")
+
+
+def one_line(e: BaseException) -> str:
+    return f"d2export: error: {e}".replace("\n", "\n  ") if str(e) else f"d2export: error: {type(e).__name__}"
+
+
+def run_export(cfg: Any) -> dict:
+    """One Hydra job: returns a summary row for sweeps."""
+    from d2export import pipeline
+    from d2export.config import resolve
+
+    typed = resolve(cfg)
+    manifest = pipeline.export(typed)
+    v = manifest.verification
+    return {"exporter": typed.export.exporter, "opset": typed.export.opset, "sampler": typed.export.sampler,
+            "seconds": manifest.export_seconds, "verified": v.get("passed"), "max_abs": v.get("max_abs"),
+            "model": str(Path(typed.export.output_dir) / manifest.model_file)}
+
+
+class SweepSummary:
+    """Hydra callback: collects each job's summary row and prints one table when a sweep ends."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, dict | None]] = []
+
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        overrides = " ".join(config.hydra.overrides.task) or "(defaults)"
+        value = getattr(job_return, "_return_value", None)
+        self.rows.append((overrides, value if isinstance(value, dict) else None))
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        print(format_sweep(self.rows))
+
+    def __getattr__(self, name: str):  # the other hooks of hydra's Callback protocol: nothing to do
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+
+def format_sweep(rows: list[tuple[str, dict | None]]) -> str:
+    lines = [f"{'overrides':<48} {'verified':>8} {'max abs':>10} {'seconds':>8}  model"]
+    for overrides, r in rows:
+        if r is None:
+            lines.append(f"{overrides:<48} {'FAILED':>8}")
+        else:
+            max_abs = f"{r['max_abs']:.3g}" if r.get("max_abs") is not None else "-"
+            lines.append(f"{overrides:<48} {str(r['verified']):>8} {max_abs:>10} {r['seconds']:>8.1f}  {r['model']}")
+    return "sweep summary\n" + "\n".join(lines)
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="d2export export", description="Export a detectron2 model to verified ONNX.")
+    ap.add_argument("--config", default="textdet", help="config name in configs/ or a YAML path (default textdet)")
+    ap.add_argument("-m", "--multirun", action="store_true", help="sweep over comma-separated override values")
+    ap.add_argument("--traceback", action="store_true", help="show full tracebacks on errors")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. export.opset=16 export.sampler=grid_sample")
+    args = ap.parse_args(argv)
+    path = find_config(args.config)
+
+    import hydra
+    from omegaconf import DictConfig
+
+    from d2export.config import register_configs
+
+    register_configs()
+    failures: list[str] = []
+
+    @hydra.main(version_base=None, config_path=str(path.parent), config_name=path.stem)
+    def job(cfg: DictConfig) -> dict | None:
+        try:
+            return run_export(cfg)
+        except Exception as e:  # noqa: BLE001 - one line per failure, the traceback on request
+            if args.traceback or cfg.get("traceback", False):
+                raise
+            print(one_line(e), file=sys.stderr)
+            failures.append(str(e))
+            return None
+
+    hydra_argv = [sys.argv[0], *args.overrides] + (["--multirun"] if args.multirun else [])
+    saved, sys.argv = sys.argv, hydra_argv
+    try:
+        job()
+    finally:
+        sys.argv = saved
+    return 1 if failures else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"export": export_main}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: d2export {" + ",".join(commands) + "} …", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Hydra structured configs: the schema every `configs/*.yaml` is checked against (a typo is an error, not a no-op)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    # directories put on sys.path before importing (relative paths are taken from the repository/config root)
+    sys_path: List[str] = field(default_factory=list)
+    # modules imported so their detectron2 registries fill, e.g. ["adet.modeling"] or ["testr"]
+    imports: List[str] = field(default_factory=list)
+    # "module:function" returning a detectron2 CfgNode with the project's keys added
+    cfg_factory: str = "detectron2.config:get_cfg"
+    d2_config: str = MISSING  # the project's detectron2 YAML
+    opts: List[str] = field(default_factory=list)  # detectron2 overrides: ["KEY", "VALUE", …]
+    weights: Optional[str] = None  # None: seeded random weights (said loudly)
+    seed: int = 0
+    # how outputs are read: "auto" detects it from the model; "text_spotter" (TESTR family) or "rcnn"
+    family: str = "auto"
+
+
+@dataclass
+class PluginConfig:
+    # compiled MSDA extensions to stand in for when missing or CPU-less
+    compiled_ops: List[str] = field(default_factory=lambda: ["adet._C", "MultiScaleDeformableAttention"])
+    swap_msda: bool = True
+
+
+@dataclass
+class ExportConfig:
+    output_dir: str = "outputs/${name}"
+    filename: str = "model.onnx"
+    exporter: str = "torchscript"  # or "dynamo" (torch.export-based)
+    target: str = "onnxruntime"  # or "tensorrt"
+    opset: Optional[int] = None  # None: 17 for onnxruntime, 17 for tensorrt (16–19 allowed)
+    sampler: str = "gather"  # MSDA sampler in the graph: gather | grid_sample | pytorch
+    dynamic: bool = True  # dynamic batch, height and width
+    simplify: bool = False  # onnxslim after export
+    dummy_sizes: List[List[int]] = field(default_factory=lambda: [[320, 320]])  # one image per entry: a batch
+    text_logits: bool = False  # also output the raw recognition logits [N, K, 25, voc+1]
+    lint: bool = True  # trace at a second size and flag constants that follow the dummy's size
+
+
+@dataclass
+class VerifyConfig:
+    enabled: bool = True
+    # image sizes checked one by one; empty: the dummy size, its transpose and two others
+    sizes: List[List[int]] = field(default_factory=list)
+    batch: bool = True  # also a batch of two images of different sizes
+    atol: float = 1e-3
+    rtol: float = 1e-3
+    max_mismatch: float = 1e-3  # fraction of integer (argmax) outputs allowed to flip on near-ties
+    providers: List[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+
+
+@dataclass
+class D2ExportConfig:
+    name: str = "model"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    plugin: PluginConfig = field(default_factory=PluginConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    traceback: bool = False  # full Python tracebacks instead of one-line errors
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="d2export_schema", node=D2ExportConfig)
+
+
+def default_opset(target: str) -> int:
+    return 17
+
+
+def resolve(cfg: Any) -> D2ExportConfig:
+    """A Hydra/OmegaConf config → the typed dataclass, checking the values a schema cannot."""
+    from omegaconf import OmegaConf
+
+    obj: D2ExportConfig = OmegaConf.to_object(cfg) if not isinstance(cfg, D2ExportConfig) else cfg
+    e = obj.export
+    if e.exporter not in ("torchscript", "dynamo"):
+        raise ValueError(f"export.exporter={e.exporter!r}: choose torchscript or dynamo")
+    if e.target not in ("onnxruntime", "tensorrt"):
+        raise ValueError(f"export.target={e.target!r}: choose onnxruntime or tensorrt")
+    if e.opset is None:
+        e.opset = default_opset(e.target)
+    if e.target == "tensorrt" and not 16 <= e.opset <= 19:
+        raise ValueError(f"export.opset={e.opset} for tensorrt: use 16–19 (GridSample 'linear' at ≥20 is mishandled)")
+    if not e.dummy_sizes or any(len(s) != 2 or min(s) <= 0 for s in e.dummy_sizes):
+        raise ValueError(f"export.dummy_sizes={e.dummy_sizes}: give a list of [height, width]")
+    return obj

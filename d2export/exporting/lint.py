@@ -1,0 +1,75 @@
+"""Lint an export for shapes baked in from the dummy input.
+
+Two signals, both cheap next to a silent wrong answer in production:
+- the same model traced at a second dummy size must give the same graph; constants that differ between the two
+  traces follow the input's size, and are named with the graph node (whose name carries the module scope);
+- TracerWarnings ("converting a tensor to a Python integer", "as_tensor results are registered as constants") point
+  at the user's source lines where a value left the graph.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+
+@dataclass
+class LintReport:
+    identical: bool = True
+    size_dependent_constants: list[dict] = field(default_factory=list)
+    tracer_warnings: list[dict] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return self.identical and not self.size_dependent_constants
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"clean": self.clean}
+
+    def format(self) -> str:
+        lines = ["lint: the graph does not depend on the dummy's size" if self.clean else
+                 "lint: the graph CHANGES with the dummy's size: these constants follow it"]
+        for c in self.size_dependent_constants[:20]:
+            lines.append(f"  {c['node']}: {c['first']} vs {c['second']}")
+        for w in self.tracer_warnings[:20]:
+            lines.append(f"  TracerWarning x{w['count']} at {w['where']}: {w['message']}")
+        return "\n".join(lines)
+
+
+def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    found = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    for i, node in enumerate(model.graph.node):
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value":
+                    found[node.name or f"Constant_{i}:{node.output[0]}"] = numpy_helper.to_array(attr.t)
+    return found
+
+
+def _summary(a: np.ndarray) -> str:
+    return str(a.tolist()) if a.size <= 8 else f"{a.dtype}{list(a.shape)}"
+
+
+def compare_graphs(first: onnx.ModelProto, second: onnx.ModelProto) -> tuple[bool, list[dict]]:
+    if first.SerializeToString(deterministic=True) == second.SerializeToString(deterministic=True):
+        return True, []
+    a, b = _constants(first), _constants(second)
+    diffs = []
+    for name in a.keys() & b.keys():
+        x, y = a[name], b[name]
+        if x.shape != y.shape or not np.array_equal(x, y):
+            diffs.append({"node": name, "first": _summary(x), "second": _summary(y)})
+    structure = [n.op_type for n in first.graph.node] != [n.op_type for n in second.graph.node]
+    if structure:
+        diffs.append({"node": "<graph structure>", "first": f"{len(first.graph.node)} nodes",
+                      "second": f"{len(second.graph.node)} nodes"})
+    return False, sorted(diffs, key=lambda d: d["node"])
+
+
+def summarise_warnings(caught: list[warnings.WarningMessage]) -> list[dict]:
+    counts = Counter((f"{w.filename}:{w.lineno}", str(w.message).splitlines()[0][:160]) for w in caught)
+    return [{"where": where, "message": msg, "count": n} for (where, msg), n in counts.most_common()]

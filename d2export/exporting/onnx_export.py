@@ -1,0 +1,153 @@
+"""torch → ONNX: export to a temporary file, check, optionally slim, then rename into place.
+
+Nothing half-written is ever left at the destination: a failure anywhere removes the temporary file.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+import torch
+
+log = logging.getLogger(__name__)
+
+EXPORTERS = ("torchscript", "dynamo")
+
+
+class ExportError(RuntimeError):
+    """The exporter refused the model; the message names the operator and where it came from."""
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    seconds: float
+    tracer_warnings: list[warnings.WarningMessage] = field(default_factory=list)
+    node_count: int = 0
+
+
+def export_onnx(
+    module: torch.nn.Module,
+    args: tuple,
+    path: str | os.PathLike,
+    *,
+    input_names: Sequence[str],
+    output_names: Sequence[str],
+    dynamic_axes: dict[str, dict[int, str]] | None = None,
+    opset: int = 17,
+    exporter: str = "torchscript",
+    simplify: bool = False,
+) -> ExportResult:
+    """Export `module(*args)` to `path` atomically; returns the TracerWarnings seen while tracing."""
+    import time
+
+    if exporter not in EXPORTERS:
+        raise ValueError(f"unknown exporter {exporter!r}: choose one of {EXPORTERS}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", torch.jit.TracerWarning)
+            try:
+                _run_exporter(module, args, tmp, input_names, output_names, dynamic_axes, opset, exporter)
+            except Exception as e:  # the exporter's own errors are long and name no module: say what and where
+                raise ExportError(describe_export_failure(e, module, args)) from e
+        model = onnx.load(str(tmp))
+        onnx.checker.check_model(model, full_check=True)
+        if simplify:
+            model = _slim(model)
+            onnx.save(model, str(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tracer = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
+    return ExportResult(path, time.perf_counter() - start, tracer, len(model.graph.node))
+
+
+def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, opset, exporter):
+    module.eval()  # torch.onnx.export leaves a wrapper's own mode alone
+    kwargs = dict(input_names=list(input_names), output_names=list(output_names), opset_version=opset)
+    with torch.no_grad():
+        if exporter == "torchscript":
+            torch.onnx.export(module, args, str(dst), dynamic_axes=dynamic_axes, dynamo=False,
+                              do_constant_folding=True, **kwargs)
+        else:
+            shapes = _dynamic_shapes(args, input_names, dynamic_axes)
+            program = torch.onnx.export(module, args, dynamic_shapes=shapes, dynamo=True, optimize=True,
+                                        verbose=False, **kwargs)
+            program.save(str(dst))
+
+
+def _dynamic_shapes(args, input_names, dynamic_axes):
+    if not dynamic_axes:
+        return None
+    dims: dict[str, torch.export.Dim] = {}
+
+    def dim(name: str):
+        return dims.setdefault(name, torch.export.Dim(name, min=1))
+
+    return tuple({i: dim(n) for i, n in dynamic_axes.get(name, {}).items()} or None for name in input_names)
+
+
+def _slim(model: onnx.ModelProto) -> onnx.ModelProto:
+    try:
+        import onnxslim
+    except ImportError as e:
+        raise ExportError("export.simplify=true needs onnxslim: pip install 'd2export[slim]'") from e
+    return onnxslim.slim(model)
+
+
+_UNSUPPORTED = re.compile(r"operator '?(?P<op>[\w:.]+)'? to ONNX opset version (?P<opset>\d+)", re.I)
+
+
+def describe_export_failure(error: Exception, module: torch.nn.Module, args: tuple) -> str:
+    """One line that names the unsupported operator and the module paths and source lines that produced it."""
+    msg = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    m = _UNSUPPORTED.search(str(error))
+    if not m:
+        return f"export failed: {msg}"
+    op = m.group("op")
+    where = locate_op(module, args, op if "::" in op else f"aten::{op}")
+    lines = [f"unsupported operator {op} at opset {m.group('opset')}"]
+    lines += [f"  from {scope or '<top>'} at {source}" for scope, source in where[:5]]
+    if not where:
+        lines.append("  (could not locate it in the traced graph)")
+    return "\n".join(lines)
+
+
+def locate_op(module: torch.nn.Module, args: tuple, kind: str) -> list[tuple[str, str]]:
+    """Module paths and source lines of every `kind` node in a trace of `module(*args)`."""
+    names = {m: n for n, m in module.named_modules()}
+    saved = torch.jit._trace._trace_module_map
+    torch.jit._trace._trace_module_map = names  # makes the tracer record module scopes
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            graph = torch.jit.trace(module, args, check_trace=False, strict=False).inlined_graph
+    except Exception:
+        return []
+    finally:
+        torch.jit._trace._trace_module_map = saved
+    found = []
+    for node in graph.nodes():
+        if node.kind() == kind:
+            scope = node.scopeName().split("/")[-1].replace("__module.", "")
+            found.append((scope, _source_line(node)))
+    return list(dict.fromkeys(found))
+
+
+def _source_line(node) -> str:
+    stack = node.sourceRange().strip().splitlines()
+    return stack[-1].strip() if stack else "<unknown>"

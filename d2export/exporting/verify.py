@@ -1,0 +1,82 @@
+"""Verification: onnxruntime against eager PyTorch, output by output, case by case."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+class VerificationError(RuntimeError):
+    """onnxruntime disagreed with eager PyTorch past the tolerance; the message carries the figures."""
+
+
+@dataclass
+class Case:
+    name: str  # e.g. "320x320", "batch2 320x320+256x384"
+    inputs: dict[str, np.ndarray]
+    expected: list[np.ndarray]  # eager outputs, in output order
+
+
+@dataclass
+class Comparison:
+    case: str
+    output: str
+    shape: tuple
+    max_abs: float
+    max_rel: float
+    mismatch: float  # fraction of elements outside tolerance
+    ok: bool
+
+
+def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float,
+            max_mismatch: float) -> Comparison:
+    expected, actual = np.asarray(expected), np.asarray(actual)
+    if expected.shape != actual.shape:
+        return Comparison(case, name, tuple(actual.shape), float("inf"), float("inf"), 1.0, False)
+    if expected.size == 0:
+        return Comparison(case, name, expected.shape, 0.0, 0.0, 0.0, True)
+    e, a = expected.astype(np.float64), actual.astype(np.float64)
+    diff = np.abs(a - e)
+    finite = np.isfinite(e) & np.isfinite(a)
+    same_nonfinite = ~finite & (e == a) | (np.isnan(e) & np.isnan(a))
+    diff = np.where(same_nonfinite, 0.0, np.where(finite, diff, np.inf))
+    bad = diff > atol + rtol * np.abs(np.where(finite, e, 0.0))
+    # argmax-like integer outputs may flip on near-ties: tolerate a tiny fraction of them, never of floats
+    mismatch = float(bad.mean())
+    allowed = max_mismatch if np.issubdtype(expected.dtype, np.integer) else 0.0
+    rel = diff / np.maximum(np.abs(e), 1e-6)
+    return Comparison(case, name, tuple(expected.shape), float(diff.max()), float(np.where(finite, rel, 0).max()),
+                      mismatch, mismatch <= allowed)
+
+
+def run_cases(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
+              max_mismatch: float = 1e-3) -> list[Comparison]:
+    results = []
+    for case in cases:
+        actual = session.run(list(output_names), case.inputs)
+        for name, e, a in zip(output_names, case.expected, actual):
+            results.append(compare(case.name, name, e, a, atol, rtol, max_mismatch))
+    return results
+
+
+def summarise(results: Sequence[Comparison]) -> dict:
+    return {
+        "passed": all(r.ok for r in results),
+        "max_abs": max((r.max_abs for r in results), default=0.0),
+        "cases": [asdict(r) for r in results],
+    }
+
+
+def format_table(results: Sequence[Comparison]) -> str:
+    rows = [f"{'case':<28} {'output':<16} {'shape':<18} {'max abs':>10} {'max rel':>10} {'mismatch':>9}  ok"]
+    for r in results:
+        rows.append(f"{r.case:<28} {r.output:<16} {str(list(r.shape)):<18} {r.max_abs:>10.3g} {r.max_rel:>10.3g} "
+                    f"{r.mismatch:>9.2%}  {'yes' if r.ok else 'NO'}")
+    return "\n".join(rows)
+
+
+def check(results: Sequence[Comparison]) -> None:
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise VerificationError("onnxruntime disagrees with eager PyTorch:\n" + format_table(failed))

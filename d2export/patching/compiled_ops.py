@@ -1,0 +1,92 @@
+"""Load-time stand-ins for compiled MSDA extensions (`adet._C`, `MultiScaleDeformableAttention`, …).
+
+Research code imports its CUDA extension at module import (`from adet import _C`). Where that extension was never
+built, or was built without a CPU kernel, the user's model cannot even be imported on a CPU machine. A meta-path
+finder placed *after* the real ones answers for the configured names only when nothing else does, with a module whose
+`ms_deform_attn_forward` / `ms_deform_attn_backward` run d2export's pure-PyTorch core.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import types
+from typing import Iterable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def ms_deform_attn_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                           im2col_step=64):
+    from d2export.ops.msda import multi_scale_deformable_attention
+
+    return multi_scale_deformable_attention(value, spatial_shapes, level_start_index, sampling_locations,
+                                            attention_weights)
+
+
+def ms_deform_attn_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                            grad_output, im2col_step=64):
+    """The compiled op's backward contract: (grad_value, grad_sampling_locations, grad_attention_weights)."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (value, sampling_locations, attention_weights)]
+        out = ms_deform_attn_forward(leaves[0], spatial_shapes, level_start_index, leaves[1], leaves[2])
+        return torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
+
+
+def make_stand_in(name: str) -> types.ModuleType:
+    module = types.ModuleType(name, f"d2export stand-in for the compiled MSDA extension {name!r}")
+    module.ms_deform_attn_forward = ms_deform_attn_forward
+    module.ms_deform_attn_backward = ms_deform_attn_backward
+    module.__d2export_stand_in__ = True
+    return module
+
+
+class _StandInLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return make_stand_in(spec.name)
+
+    def exec_module(self, module):
+        log.info("compiled MSDA extension %s not found: using d2export's pure-PyTorch core", module.__name__)
+
+
+class CompiledOpFinder(importlib.abc.MetaPathFinder):
+    """Answers for `names` only; sits at the end of sys.meta_path, so a real build always wins."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = set(names)
+        self.served: list[str] = []
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.names:
+            return None
+        self.served.append(fullname)
+        return importlib.machinery.ModuleSpec(fullname, _StandInLoader())
+
+
+_finder: CompiledOpFinder | None = None
+
+
+def install(names: Iterable[str]) -> CompiledOpFinder:
+    """Install (or extend) the process-wide finder. Idempotent."""
+    global _finder
+    if _finder is None or _finder not in sys.meta_path:
+        _finder = CompiledOpFinder(names)
+        sys.meta_path.append(_finder)
+    else:
+        _finder.names.update(names)
+    return _finder
+
+
+def uninstall() -> None:
+    global _finder
+    if _finder is not None and _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+        for name in _finder.served:
+            mod = sys.modules.get(name)
+            if getattr(mod, "__d2export_stand_in__", False):
+                del sys.modules[name]
+    _finder = None

@@ -1,0 +1,43 @@
+"""Registered export-time patches for deformable-attention detectors: the MSDA core and the AdelaiDet-lineage
+size-general rewrites (see adet_family.py). They are needed for every target: without them a trace bakes sizes."""
+from __future__ import annotations
+
+import torch
+
+from d2export.patching import adet_family, msda_swap
+from d2export.patching.registry import register_patch
+
+
+@register_patch("msda-core", module=lambda name, m: msda_swap.is_msda(m),
+                why="compiled MSDA op: no CPU kernel, cannot be traced; the swap also drops a value-dependent assert")
+def msda_forward(self, *args, **kwargs):
+    return msda_swap.forward(self, *args, **kwargs)
+
+
+@register_patch("sizes-as-tensor", function="torch.as_tensor",
+                why="torch.as_tensor([(h, w), …]) of traced sizes becomes a constant: stack the sizes instead")
+def sizes_as_tensor(data, dtype=None, device=None):
+    if isinstance(data, (list, tuple)) and adet_family.holds_tensor(data):
+        return adet_family.stack_sizes(data).to(dtype=dtype or torch.long, device=device)
+    return NotImplemented
+
+
+@register_patch("padding-mask-from-sizes", module=lambda name, m: adet_family.has_mask_out_padding(m),
+                method="mask_out_padding",
+                why="per-image int(np.ceil(h / stride)) bakes the dummy's image sizes into the padding masks")
+def mask_out_padding(self, feature_shapes, image_sizes, device):
+    return adet_family.mask_out_padding(self, feature_shapes, image_sizes, device)
+
+
+@register_patch("reference-points-per-level", module=lambda name, m: adet_family.has_reference_points(m),
+                method="get_reference_points",
+                why="linspace over Python-int level sizes bakes the encoder's reference points")
+def get_reference_points(self, spatial_shapes, valid_ratios, device):
+    return adet_family.get_reference_points(spatial_shapes, valid_ratios, device)
+
+
+@register_patch("encoder-proposals-per-level", module=lambda name, m: adet_family.has_encoder_proposals(m),
+                method="gen_encoder_output_proposals",
+                why="linspace and view over Python-int level sizes bake the two-stage encoder proposals")
+def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shapes):
+    return adet_family.gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shapes)

@@ -1,0 +1,209 @@
+"""The flow, in one direction: config → user code → model → patches → wrapper → export → lint → verify → manifest.
+
+Nothing lands at the destination unless every step passed: the graph is staged beside it and renamed at the end.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from d2export import __version__, building
+from d2export.config import D2ExportConfig
+from d2export.exporting import lint as lint_mod
+from d2export.exporting import verify as verify_mod
+from d2export.exporting.onnx_export import export_onnx
+from d2export.manifest import Manifest, TensorSpec, manifest_path, sha256_file
+from d2export.tracing import dummy_images, graph_inputs, make_adapter
+
+log = logging.getLogger("d2export")
+
+
+@dataclass
+class Built:
+    """A model ready to export: what `prepare` returns, and what the ladder and benchmarks reuse."""
+
+    cfg: D2ExportConfig
+    d2cfg: object
+    model: torch.nn.Module
+    adapter: torch.nn.Module
+    swapped: list[str]
+
+
+def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
+    from d2export.patching import msda_swap
+
+    root = Path(root or os.getcwd())
+    _step(1, "importing user code", ", ".join(cfg.model.imports) or "-")
+    building.import_user_code(cfg.model, cfg.plugin, root)
+    _step(2, "building the model", cfg.model.d2_config)
+    d2cfg = building.load_d2_config(cfg.model, root)
+    model = building.build_model(cfg.model, d2cfg, root)
+    swapped = msda_swap.swap(model) if cfg.plugin.swap_msda else []
+    log.info("MSDA modules swapped for the traceable core: %d", len(swapped))
+    example = dummy_images(cfg.export.dummy_sizes, cfg.model.seed)
+    adapter = make_adapter(model, d2cfg, cfg.model.family, example, cfg.export.text_logits).eval()
+    return Built(cfg, d2cfg, model, adapter, swapped)
+
+
+def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
+    """The dummy size, its transpose, a non-square size and its transpose (same token count, other aspect ratio —
+    where a baked shape goes silently wrong), and an odd size; or what the config lists."""
+    if cfg.verify.sizes:
+        return [tuple(s) for s in cfg.verify.sizes]
+    h, w = cfg.export.dummy_sizes[0]
+    r = lambda v: max(64, int(round(v / 16)) * 16)  # noqa: E731
+    c = (r(h * 0.8), r(w * 1.25))
+    candidates = [(h, w), (w, h), c, (c[1], c[0]), (h + 13, w - 7)]
+    return list(dict.fromkeys(candidates))
+
+
+def verification_cases(built: Built) -> list[verify_mod.Case]:
+    sizes = verification_sizes(built.cfg)
+    groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
+    if built.cfg.verify.batch and built.adapter.family != "rcnn":
+        groups.append([sizes[0], sizes[2 if len(sizes) > 2 else -1]])
+    cases = []
+    for i, group in enumerate(groups):
+        images = dummy_images(group, seed=1000 + 10 * i)
+        name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group)
+        cases.append(verify_mod.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images)))
+    return cases
+
+
+def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
+    from d2export.ops.msda import use_sampler
+    from d2export.patching import family  # noqa: F401 - registers the model-family patches
+    from d2export.patching.registry import Target, apply_patches
+
+    started = time.perf_counter()
+    built = prepare(cfg, root)
+    adapter, e = built.adapter, cfg.export
+    out_dir = Path(e.output_dir)
+    final = out_dir / e.filename
+    cases = []
+    if cfg.verify.enabled:
+        _step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
+        cases = verification_cases(built)  # eager, before any export-time patch: the independent side
+    args = _torch_inputs(adapter, dummy_images(e.dummy_sizes, cfg.model.seed))
+    axes = adapter.dynamic_axes if e.dynamic else None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkstemp(dir=out_dir, prefix=f".{final.stem}.", suffix=".staged.onnx")[1])
+    try:
+        with use_sampler(e.sampler), apply_patches(model=built.model, target=Target(e.opset, e.target)) as report:
+            _step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
+            result = export_onnx(adapter, args, staged, input_names=adapter.input_names,
+                                 output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
+                                 exporter=e.exporter, simplify=e.simplify)
+            log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
+            lint = _lint(built, staged, result, axes) if e.lint else None
+        log.info("patches:\n%s", report)
+        if lint is not None:
+            log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
+        verification = _verify(cfg, staged, adapter.output_names, cases) if cases else {"passed": None}
+        os.replace(staged, final)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+    import onnx
+
+    graph = onnx.load(str(final), load_external_data=False).graph
+    manifest = Manifest(
+        model_file=final.name, family=adapter.family,
+        inputs=_specs(graph.input), outputs=_specs(graph.output),
+        opset=e.opset, exporter=e.exporter, sampler=e.sampler,
+        preprocess=_preprocess(built.d2cfg), postprocess=_postprocess(built.d2cfg, adapter.family),
+        versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
+        verification=verification | ({"lint": lint.to_dict()} if lint else {}),
+        export_seconds=round(time.perf_counter() - started, 2), sha256=sha256_file(final),
+    )
+    manifest.write(manifest_path(final))
+    _step(6, "done", f"{final} ({final.stat().st_size / 1e6:.1f} MB), manifest {manifest_path(final).name}")
+    return manifest
+
+
+def _step(i: int, what: str, detail: str = "") -> None:
+    log.info("[%d/6] %s%s", i, what, f": {detail}" if detail else "")
+
+
+def _torch_inputs(adapter, images: Sequence[np.ndarray]) -> tuple[torch.Tensor, ...]:
+    named = graph_inputs(adapter, images)
+    return tuple(torch.from_numpy(named[n]) for n in adapter.input_names)
+
+
+def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
+    import onnx
+
+    report = lint_mod.LintReport(tracer_warnings=lint_mod.summarise_warnings(result.tracer_warnings))
+    if axes is None:
+        return report  # a static export is size-specific by request
+    h, w = built.cfg.export.dummy_sizes[0]
+    second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in built.cfg.export.dummy_sizes[1:]]
+    with tempfile.TemporaryDirectory() as tmp:
+        e = built.cfg.export
+        export_onnx(built.adapter, _torch_inputs(built.adapter, dummy_images(second, 7)), Path(tmp) / "second.onnx",
+                    input_names=built.adapter.input_names, output_names=built.adapter.output_names,
+                    dynamic_axes=axes, opset=e.opset, exporter=e.exporter)
+        report.identical, report.size_dependent_constants = lint_mod.compare_graphs(
+            onnx.load(str(staged)), onnx.load(str(Path(tmp) / "second.onnx")))
+    return report
+
+
+def _verify(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
+    import onnxruntime as ort
+
+    _step(5, "verifying with onnxruntime", f"{len(cases)} cases")
+    session = ort.InferenceSession(str(path), providers=list(cfg.verify.providers))
+    results = verify_mod.run_cases(session, output_names, cases, cfg.verify.atol, cfg.verify.rtol,
+                                   cfg.verify.max_mismatch)
+    log.info("verification:\n%s", verify_mod.format_table(results))
+    verify_mod.check(results)
+    return verify_mod.summarise(results) | {"atol": cfg.verify.atol, "rtol": cfg.verify.rtol}
+
+
+def _specs(values) -> list[TensorSpec]:
+    """Names, dtypes and shapes as the graph itself declares them (dynamic axes by name)."""
+    from onnx import helper
+
+    specs = []
+    for v in values:
+        t = v.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in t.shape.dim]
+        specs.append(TensorSpec(v.name, str(helper.tensor_dtype_to_np_dtype(t.elem_type)), shape, v.doc_string))
+    return specs
+
+
+def _preprocess(d2cfg) -> dict:
+    return {"input_format": d2cfg.INPUT.FORMAT, "min_size_test": int(d2cfg.INPUT.MIN_SIZE_TEST),
+            "max_size_test": int(d2cfg.INPUT.MAX_SIZE_TEST), "pixel_mean": list(d2cfg.MODEL.PIXEL_MEAN),
+            "pixel_std": list(d2cfg.MODEL.PIXEL_STD)}
+
+
+def _postprocess(d2cfg, family: str) -> dict:
+    if family != "text_spotter":
+        return {"score_threshold": float(d2cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST)}
+    t = d2cfg.MODEL.TRANSFORMER
+    return {"score_threshold": float(t.INFERENCE_TH_TEST), "voc_size": int(t.VOC_SIZE),
+            "num_chars": int(t.NUM_CHARS), "use_polygon": bool(t.USE_POLYGON),
+            "custom_dict": str(getattr(t, "CUSTOM_DICT", "") or "")}
+
+
+def _versions() -> dict:
+    import onnx
+
+    versions = {"d2export": __version__, "torch": torch.__version__, "onnx": onnx.__version__,
+                "python": platform.python_version()}
+    for name in ("onnxruntime", "detectron2"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - a version is information, never a reason to fail
+            versions[name] = "unavailable"
+    return versions

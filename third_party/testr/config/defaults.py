@@ -1,0 +1,59 @@
+"""The config keys TESTR adds to detectron2's (those of AdelaiDet's defaults that TESTR and its YAMLs use).
+
+Upstream adds them to detectron2's global default config at import; here ``add_testr_config`` adds them to
+the config it is given, so detectron2's defaults stay untouched.
+"""
+from detectron2.config import CfgNode as CN
+
+
+def add_testr_config(cfg):
+    """Adds TESTR's keys (MODEL.TRANSFORMER.*, TEST.USE_LEXICON, ...) with upstream's defaults, in place."""
+    cfg.MODEL.MOBILENET = False
+    cfg.MODEL.BACKBONE.ANTI_ALIAS = False
+    cfg.MODEL.RESNETS.DEFORM_INTERVAL = 1
+    cfg.INPUT.HFLIP_TRAIN = True
+    cfg.INPUT.CROP.CROP_INSTANCE = True
+
+    t = cfg.MODEL.TRANSFORMER = CN()
+    t.USE_POLYGON = False
+    t.ENABLED = False
+    t.INFERENCE_TH_TEST = 0.45
+    t.VOC_SIZE = 96
+    t.NUM_CHARS = 25
+    t.AUX_LOSS = True
+    t.ENC_LAYERS = 6
+    t.DEC_LAYERS = 6
+    t.DIM_FEEDFORWARD = 1024
+    t.HIDDEN_DIM = 256
+    t.DROPOUT = 0.1
+    t.NHEADS = 8
+    t.NUM_QUERIES = 100
+    t.ENC_N_POINTS = 4
+    t.DEC_N_POINTS = 4
+    t.POSITION_EMBEDDING_SCALE = 6.283185307179586  # 2 pi
+    t.NUM_FEATURE_LEVELS = 4
+    t.NUM_CTRL_POINTS = 8
+
+    # training-only, kept so upstream's YAMLs merge
+    loss = t.LOSS = CN()
+    loss.AUX_LOSS = True
+    loss.POINT_CLASS_WEIGHT = 2.0
+    loss.POINT_COORD_WEIGHT = 5.0
+    loss.POINT_TEXT_WEIGHT = 2.0
+    loss.BOX_CLASS_WEIGHT = 2.0
+    loss.BOX_COORD_WEIGHT = 5.0
+    loss.BOX_GIOU_WEIGHT = 2.0
+    loss.FOCAL_ALPHA = 0.25
+    loss.FOCAL_GAMMA = 2.0
+
+    cfg.SOLVER.OPTIMIZER = "ADAMW"
+    cfg.SOLVER.LR_BACKBONE = 1e-5
+    cfg.SOLVER.LR_BACKBONE_NAMES = []
+    cfg.SOLVER.LR_LINEAR_PROJ_NAMES = []
+    cfg.SOLVER.LR_LINEAR_PROJ_MULT = 0.1
+
+    cfg.TEST.USE_LEXICON = False
+    # 1 generic, 2 weak, 3 strong (ICDAR 2015); 1 full lexicon (Total-Text, CTW1500)
+    cfg.TEST.LEXICON_TYPE = 1
+    cfg.TEST.WEIGHTED_EDIT_DIST = False
+    return cfg

@@ -1,0 +1,3 @@
+from .transformer_detector import TransformerDetector
+
+__all__ = ["TransformerDetector"]

@@ -1,0 +1,3 @@
+from .models import TESTR
+
+__all__ = ["TESTR"]
