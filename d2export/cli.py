@@ -11,20 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 log = logging.getLogger("d2export")
-
-
-def find_config(name: str) -> Path:
-    p = Path(name)
-    candidates = [p] if p.suffix in (".yaml", ".yml") else [p.with_suffix(".yaml"), p]
-    if not p.is_absolute() and len(p.parts) == 1:
-        candidates += [Path("configs") / c for c in candidates] + [REPO_CONFIGS / c for c in candidates]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    known = sorted(f.stem for f in REPO_CONFIGS.glob("*.yaml"))
-    raise SystemExit(f"d2export: error: no config {name!r} (bare names are looked up in configs/: {', '.join(known)})")
 
 
 def one_line(e: BaseException) -> str:
@@ -83,12 +70,16 @@ def export_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traceback", action="store_true", help="show full tracebacks on errors")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. export.opset=16 export.sampler=grid_sample")
     args = ap.parse_args(argv)
-    path = find_config(args.config)
+    from d2export.config import find_config, register_configs
+
+    try:
+        path = find_config(args.config)
+    except FileNotFoundError as e:
+        print(one_line(e), file=sys.stderr)
+        return 2
 
     import hydra
     from omegaconf import DictConfig
-
-    from d2export.config import register_configs
 
     register_configs()
     failures: list[str] = []
@@ -115,7 +106,10 @@ def export_main(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"export": export_main}
+    from d2export import runtime
+
+    commands = {"export": export_main, "infer": runtime.infer_main, "serve": runtime.serve_main,
+                "triton-repo": runtime.triton_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: d2export {" + ",".join(commands) + "} …", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
 
 from omegaconf import MISSING
 
@@ -94,3 +95,35 @@ def resolve(cfg: Any) -> D2ExportConfig:
     if not e.dummy_sizes or any(len(s) != 2 or min(s) <= 0 for s in e.dummy_sizes):
         raise ValueError(f"export.dummy_sizes={e.dummy_sizes}: give a list of [height, width]")
     return obj
+
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def find_config(name: str) -> Path:
+    """A bare name is looked up in ./configs, then in the repository's configs/; a path is taken as it is."""
+    p = Path(name)
+    candidates = [p] if p.suffix in (".yaml", ".yml") else [p.with_suffix(".yaml"), p]
+    if not p.is_absolute() and len(p.parts) == 1:
+        candidates += [Path("configs") / c for c in candidates] + [REPO_CONFIGS / c for c in candidates]
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    known = ", ".join(sorted(f.stem for f in REPO_CONFIGS.glob("*.yaml")))
+    raise FileNotFoundError(f"no config {name!r} (bare names are looked up in configs/: {known})")
+
+
+def load(name: str, overrides: Sequence[str] = ()) -> D2ExportConfig:
+    """Compose a config outside a Hydra run (tests, benchmarks, the runtime's tools): same files, same overrides.
+    `${hydra:…}` interpolations are unavailable here, so give export.output_dir when the config uses one."""
+    from hydra import compose, initialize_config_dir
+
+    path = find_config(name)
+    register_configs()
+    with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+        cfg = compose(config_name=path.stem, overrides=list(overrides))
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return resolve(cfg)

@@ -190,10 +190,12 @@ def _preprocess(d2cfg) -> dict:
 def _postprocess(d2cfg, family: str) -> dict:
     if family != "text_spotter":
         return {"score_threshold": float(d2cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST)}
+    from d2export.charset import charset
+
     t = d2cfg.MODEL.TRANSFORMER
     return {"score_threshold": float(t.INFERENCE_TH_TEST), "voc_size": int(t.VOC_SIZE),
             "num_chars": int(t.NUM_CHARS), "use_polygon": bool(t.USE_POLYGON),
-            "custom_dict": str(getattr(t, "CUSTOM_DICT", "") or "")}
+            "charset": "".join(charset(int(t.VOC_SIZE), str(getattr(t, "CUSTOM_DICT", "") or "")))}
 
 
 def _versions() -> dict:

@@ -5,3 +5,22 @@ import sys
 _THIRD_PARTY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "third_party")
 if _THIRD_PARTY not in sys.path:
     sys.path.insert(0, _THIRD_PARTY)
+
+import pytest  # noqa: E402
+
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """The tiny TESTR-architecture spotter exported once per session with the default pipeline (verified).
+    Returns (config, manifest, model path); `d2export.pipeline.prepare(config)` rebuilds the same seeded model."""
+    from d2export import pipeline
+    from d2export.config import load
+
+    out = tmp_path_factory.mktemp("tiny_export")
+    cfg = load("textdet_tiny", [f"export.output_dir={out}"])
+    manifest = pipeline.export(cfg)
+    return cfg, manifest, out / manifest.model_file

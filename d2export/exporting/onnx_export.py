@@ -64,6 +64,8 @@ def export_onnx(
             except Exception as e:  # the exporter's own errors are long and name no module: say what and where
                 raise ExportError(describe_export_failure(e, module, args)) from e
         model = onnx.load(str(tmp))
+        if _pin_static_output_dims(model, module, args, dynamic_axes or {}):
+            onnx.save(model, str(tmp))
         onnx.checker.check_model(model, full_check=True)
         if simplify:
             model = _slim(model)
@@ -88,6 +90,31 @@ def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, op
             program = torch.onnx.export(module, args, dynamic_shapes=shapes, dynamo=True, optimize=True,
                                         verbose=False, **kwargs)
             program.save(str(dst))
+
+
+def _pin_static_output_dims(model, module, args, dynamic_axes) -> bool:
+    """The exporter's shape inference often loses static output dims (queries, points, characters) and names them
+    after the node that made them; pin every dim not declared dynamic to its traced value, for consumers (TensorRT,
+    Triton) that need them."""
+    outputs = model.graph.output
+    if all(d.HasField("dim_value") or d.dim_param in _axis_names(dynamic_axes.get(o.name, {}))
+           for o in outputs for d in o.type.tensor_type.shape.dim):
+        return False
+    with torch.no_grad():
+        sample = module(*args)
+    sample = sample if isinstance(sample, (tuple, list)) else (sample,)
+    for out, t in zip(outputs, sample):
+        dynamic = dynamic_axes.get(out.name, {})
+        for i, d in enumerate(out.type.tensor_type.shape.dim):
+            if i in dynamic:
+                d.dim_param = dynamic[i]
+            else:
+                d.dim_value = int(t.shape[i])
+    return True
+
+
+def _axis_names(axes: dict[int, str]) -> set[str]:
+    return set(axes.values())
 
 
 def _dynamic_shapes(args, input_names, dynamic_axes):

@@ -22,7 +22,7 @@ class Case:
 class Comparison:
     case: str
     output: str
-    shape: tuple
+    shape: list
     max_abs: float
     max_rel: float
     mismatch: float  # fraction of elements outside tolerance
@@ -33,9 +33,9 @@ def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol
             max_mismatch: float) -> Comparison:
     expected, actual = np.asarray(expected), np.asarray(actual)
     if expected.shape != actual.shape:
-        return Comparison(case, name, tuple(actual.shape), float("inf"), float("inf"), 1.0, False)
+        return Comparison(case, name, list(actual.shape), float("inf"), float("inf"), 1.0, False)
     if expected.size == 0:
-        return Comparison(case, name, expected.shape, 0.0, 0.0, 0.0, True)
+        return Comparison(case, name, list(expected.shape), 0.0, 0.0, 0.0, True)
     e, a = expected.astype(np.float64), actual.astype(np.float64)
     diff = np.abs(a - e)
     finite = np.isfinite(e) & np.isfinite(a)
@@ -46,7 +46,7 @@ def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol
     mismatch = float(bad.mean())
     allowed = max_mismatch if np.issubdtype(expected.dtype, np.integer) else 0.0
     rel = diff / np.maximum(np.abs(e), 1e-6)
-    return Comparison(case, name, tuple(expected.shape), float(diff.max()), float(np.where(finite, rel, 0).max()),
+    return Comparison(case, name, list(expected.shape), float(diff.max()), float(np.where(finite, rel, 0).max()),
                       mismatch, mismatch <= allowed)
 
 

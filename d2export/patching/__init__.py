@@ -1,0 +1,7 @@
+"""Export-time patches: the registry (see registry.py) and the built-in operator rewrites registered on import."""
+from d2export.patching.registry import (ALWAYS, Needs, PatchRecord, PatchRegistry, PatchReport, REGISTRY, Target,
+                                        apply_patches, has_attrs, register_patch)
+from d2export.patching import rewrites as _rewrites  # noqa: E402,F401 - registers the built-in rewrites
+
+__all__ = ["ALWAYS", "Needs", "PatchRecord", "PatchRegistry", "PatchReport", "REGISTRY", "Target", "apply_patches",
+           "has_attrs", "register_patch"]

@@ -1,0 +1,36 @@
+"""Serving an exported model: onnxruntime predictor, pictures, HTTP server, Triton model repository.
+
+Imports neither torch nor detectron2: a serving image needs only onnxruntime, numpy and Pillow (FastAPI and uvicorn
+for the server). Everything about the model comes from the manifest beside the .onnx file. Names resolve lazily so
+`import d2export.runtime` costs nothing and the CLI can list these commands without importing a web framework.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+
+_LAZY = {
+    "Predictor": "predictor", "Prediction": "predictor", "TextInstance": "predictor",
+    "ProviderUnavailable": "predictor", "BadImage": "images", "decode_image": "images", "read_image": "images",
+    "draw_prediction": "visualize", "create_app": "server", "write_repository": "triton", "parse_pbtxt": "triton",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def infer_main(argv: list[str] | None = None) -> int:
+    """`d2export infer`: images or folders in, JSON lines out (and pictures with --vis)."""
+    return import_module(f"{__name__}.infer").main(argv)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`d2export serve`: the HTTP server."""
+    return import_module(f"{__name__}.server").main(argv)
+
+
+def triton_main(argv: list[str] | None = None) -> int:
+    """`d2export triton-repo`: a Triton Inference Server model repository."""
+    return import_module(f"{__name__}.triton").main(argv)

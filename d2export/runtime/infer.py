@@ -1,0 +1,88 @@
+"""`d2export infer MODEL IMAGE_OR_FOLDER …`: one JSON line per picture (its file, size and instances), pictures of the
+results with --vis. A picture that cannot be read gets a line with its error; the exit status is then 1."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from d2export.runtime.images import IMAGE_SUFFIXES, BadImage, read_image
+
+
+def image_files(paths: Iterable[str]) -> list[Path]:
+    """Files as given; folders searched recursively for image suffixes, in sorted order."""
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file())
+        elif p.exists():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no such file or folder: {p}")
+    return files
+
+
+def _progress(items: list, enabled: bool) -> Iterator:
+    if not enabled:
+        return iter(items)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iter(items)
+    return iter(tqdm(items, unit="img", file=sys.stderr))
+
+
+def _unique(stem: str, used: set[str]) -> str:
+    """`stem.png`, or `stem_1.png`, … where folders hold pictures of the same name."""
+    name, i = f"{stem}.png", 0
+    while name in used:
+        i += 1
+        name = f"{stem}_{i}.png"
+    used.add(name)
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="d2export infer", description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
+    ap.add_argument("inputs", nargs="+", help="image files and/or folders")
+    ap.add_argument("-o", "--output", default="-", help="JSON lines file (default: stdout)")
+    ap.add_argument("--vis", default=None, metavar="DIR", help="write <DIR>/<name>.png with polygons and text")
+    ap.add_argument("--providers", default="cpu", help="comma-separated: cpu, cuda, tensorrt (in priority order)")
+    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
+    ap.add_argument("--score-threshold", type=float, default=None, help="default: the manifest's")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    from d2export.runtime.predictor import Predictor, ProviderUnavailable
+
+    try:
+        files = image_files(args.inputs)
+        predictor = Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold)
+    except (OSError, ValueError, ProviderUnavailable) as e:
+        print(f"d2export infer: error: {e}", file=sys.stderr)
+        return 2
+    vis = Path(args.vis) if args.vis else None
+    if vis:
+        vis.mkdir(parents=True, exist_ok=True)
+        from d2export.runtime.visualize import draw_prediction
+    failed, used = 0, set()
+    show_bar = not args.no_progress and (len(files) > 1 or any(Path(p).is_dir() for p in args.inputs))
+    with contextlib.ExitStack() as stack:
+        out = sys.stdout if args.output == "-" else stack.enter_context(open(args.output, "w"))
+        for f in _progress(files, show_bar):
+            try:
+                image = read_image(f)
+                result = predictor.predict(image)
+            except (OSError, BadImage) as e:
+                failed += 1
+                out.write(json.dumps({"file": str(f), "error": str(e)}) + "\n")
+                continue
+            out.write(json.dumps({"file": str(f)} | result.to_dict(), ensure_ascii=False) + "\n")
+            if vis:
+                draw_prediction(image, result).save(vis / _unique(f.stem, used))
+    if failed:
+        print(f"d2export infer: {failed} of {len(files)} pictures could not be read", file=sys.stderr)
+    return 1 if failed else 0

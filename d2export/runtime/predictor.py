@@ -1,0 +1,196 @@
+"""The onnxruntime predictor: a picture in its original size → scored polygons and text in that picture's pixels.
+
+It reproduces detectron2's DefaultPredictor around the exported graph: the picture converted to the model's pixel
+format, resized by ResizeShortestEdge(min_size_test, max_size_test), fed with the original size as the output size;
+the graph returns points in resized-input pixels, which are scaled back to the original picture here. The session is
+built once; `run` is safe to call from several threads.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from d2export.charset import decode
+from d2export.imaging import pad_batch, resize_shortest_edge
+from d2export.manifest import Manifest, manifest_path
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+PIXEL_FORMATS = ("RGB", "BGR")
+
+
+class ProviderUnavailable(RuntimeError):
+    pass
+
+
+@dataclass
+class TextInstance:
+    score: float
+    label: int
+    polygon: list[list[float]]  # [[x, y], …] in the original picture's pixels
+    text: str
+    text_score: float  # mean probability of the characters kept (0 when none)
+    beziers: list[list[float]] | None = None  # the 8 Bézier control points, for Bézier-mode models
+
+
+@dataclass
+class Prediction:
+    height: int  # the original picture's size
+    width: int
+    instances: list[TextInstance] = field(default_factory=list)
+
+    def to_dict(self, decimals: int = 2) -> dict[str, Any]:
+        """JSON-ready; coordinates rounded to `decimals` (a hundredth of a pixel by default)."""
+        d = asdict(self)
+        for inst in d["instances"]:
+            for key in ("polygon", "beziers"):
+                if inst[key] is None:
+                    del inst[key]
+                else:
+                    inst[key] = [[round(x, decimals), round(y, decimals)] for x, y in inst[key]]
+        return d
+
+
+@dataclass
+class Prepared:
+    """One picture ready for the graph: CHW uint8 in the model's pixel format, resized, and its original size."""
+
+    chw: np.ndarray
+    height: int
+    width: int
+
+
+def resolve_providers(names: Sequence[str]) -> list[str]:
+    """Short names (cpu, cuda, tensorrt) or onnxruntime's own → provider names, refusing any not installed.
+    The CPU provider is appended as the fallback for nodes the others do not take."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    chosen = []
+    for name in names:
+        full = PROVIDERS.get(name.lower(), name)
+        if full not in available:
+            hint = " (install onnxruntime-gpu with a matching CUDA/TensorRT)" if full != PROVIDERS["cpu"] else ""
+            raise ProviderUnavailable(f"execution provider {name!r} ({full}) was asked for, but this onnxruntime "
+                                      f"{ort.__version__} offers only {', '.join(available)}{hint}")
+        chosen.append(full)
+    return list(dict.fromkeys(chosen + [PROVIDERS["cpu"]]))
+
+
+def bezier_polygon(ctrl: np.ndarray, samples: int = 10) -> np.ndarray:
+    """TESTR's Bézier mode: 8 control points (a cubic along the top, left → right, then one along the bottom,
+    right → left) → a closed outline of 2 × samples points."""
+    t = np.linspace(0.0, 1.0, samples)[:, None]
+    basis = np.concatenate([(1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t**2 * (1 - t), t**3], axis=1)  # [S, 4]
+    return np.concatenate([basis @ ctrl[:4], basis @ ctrl[4:]], axis=0)
+
+
+class Predictor:
+    def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
+                 score_threshold: float | None = None, provider_options: Sequence[dict] | None = None):
+        """`threads`: onnxruntime's intra-op threads (0: its default, one per core). `score_threshold` overrides
+        the manifest's. The manifest (`model.manifest.json` beside the model) says everything else."""
+        import onnxruntime as ort
+
+        self.model_path = Path(model_path)
+        self.manifest = Manifest.read(manifest_path(self.model_path))
+        if self.manifest.family != "text_spotter":
+            raise ValueError(f"{self.model_path}: family {self.manifest.family!r}; the predictor reads text "
+                             "spotters' outputs (scores, ctrl_points, char_ids, …) only")
+        pre, post = self.manifest.preprocess, self.manifest.postprocess
+        self.input_format = pre.get("input_format", "BGR")
+        if self.input_format not in PIXEL_FORMATS:
+            raise ValueError(f"model pixel format {self.input_format!r} is not supported ({PIXEL_FORMATS})")
+        self.min_size, self.max_size = int(pre.get("min_size_test", 0)), int(pre.get("max_size_test", 0))
+        self.score_threshold = float(post.get("score_threshold", 0.0) if score_threshold is None else score_threshold)
+        self.chars = list(post.get("charset", ""))
+        self.use_polygon = bool(post.get("use_polygon", True))
+        self.input_dtypes = {t.name: np.dtype(t.dtype) for t in self.manifest.inputs}
+        self.output_names = [t.name for t in self.manifest.outputs]
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(threads)
+        options.log_severity_level = 3
+        self.providers = resolve_providers(providers)
+        kwargs = {"provider_options": list(provider_options) + [{}] * (len(self.providers) - len(provider_options))
+                  } if provider_options else {}
+        self.session = ort.InferenceSession(str(self.model_path), options, providers=self.providers, **kwargs)
+
+    # pre-processing ------------------------------------------------------------------------------------------------
+    def prepare(self, image: np.ndarray, format: str = "RGB") -> Prepared:
+        """HWC uint8 (or HW grey) in `format` → the graph's input for it."""
+        image = np.asarray(image)
+        if image.ndim == 2:
+            image = np.repeat(image[:, :, None], 3, axis=2)
+        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            raise ValueError(f"expected an HxWx3 uint8 picture, got {image.dtype} {image.shape}")
+        if image.shape[0] == 0 or image.shape[1] == 0:
+            raise ValueError(f"picture has zero size {image.shape[:2]}")
+        if format not in PIXEL_FORMATS:
+            raise ValueError(f"format {format!r}: choose one of {PIXEL_FORMATS}")
+        if format != self.input_format:
+            image = image[:, :, ::-1]
+        resized = resize_shortest_edge(np.ascontiguousarray(image), self.min_size, self.max_size)
+        return Prepared(np.ascontiguousarray(resized.transpose(2, 0, 1)), image.shape[0], image.shape[1])
+
+    # the graph -----------------------------------------------------------------------------------------------------
+    def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
+        """One padded batch through the session: output name → array."""
+        images, sizes = pad_batch([p.chw for p in prepared])
+        feeds = {"images": images, "image_sizes": sizes}
+        feeds = {name: feeds[name].astype(dtype, copy=False) for name, dtype in self.input_dtypes.items()}
+        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+
+    # post-processing -----------------------------------------------------------------------------------------------
+    def postprocess(self, outputs: dict[str, np.ndarray], index: int, prepared: Prepared,
+                    score_threshold: float | None = None) -> Prediction:
+        """Row `index` of a batch's outputs → the picture's instances: threshold (≥, as TESTR), points back to the
+        original picture, text decoded with the model's character set."""
+        threshold = self.score_threshold if score_threshold is None else score_threshold
+        h, w = prepared.chw.shape[1:]
+        scale = np.array([prepared.width / w, prepared.height / h])
+        scores = outputs["scores"][index]
+        instances = []
+        for k in np.flatnonzero(scores >= threshold):
+            ids, probs = outputs["char_ids"][index, k], outputs["char_scores"][index, k]
+            kept = (ids >= 0) & (ids < len(self.chars))
+            points = outputs["ctrl_points"][index, k].astype(np.float64)
+            beziers = None
+            if not self.use_polygon:  # TESTR clips the curves' end points to the input before scaling
+                ends = [0, 3, 4, 7]
+                points[ends] = np.clip(points[ends], 0, [w, h])
+                beziers = (points * scale).tolist()
+                points = bezier_polygon(points)
+            instances.append(TextInstance(
+                score=float(scores[k]), label=int(outputs["labels"][index, k]),
+                polygon=(points * scale).tolist(), text=decode(ids.tolist(), self.chars),
+                text_score=float(probs[kept].mean()) if kept.any() else 0.0, beziers=beziers))
+        return Prediction(prepared.height, prepared.width, instances)
+
+    # all together --------------------------------------------------------------------------------------------------
+    def predict_prepared(self, prepared: Sequence[Prepared],
+                         score_thresholds: Sequence[float | None] | None = None) -> list[Prediction]:
+        outputs = self.run(prepared)
+        thresholds = score_thresholds or [None] * len(prepared)
+        return [self.postprocess(outputs, i, p, t) for i, (p, t) in enumerate(zip(prepared, thresholds))]
+
+    def predict_batch(self, images: Sequence[np.ndarray], format: str = "RGB",
+                      score_threshold: float | None = None) -> list[Prediction]:
+        """Several pictures, one session run (mixed sizes are padded; the graph masks the padding)."""
+        return self.predict_prepared([self.prepare(im, format) for im in images], [score_threshold] * len(images))
+
+    def predict(self, image: np.ndarray, format: str = "RGB", score_threshold: float | None = None) -> Prediction:
+        return self.predict_batch([image], format, score_threshold)[0]
+
+    __call__ = predict
+
+    def metadata(self) -> dict[str, Any]:
+        m = self.manifest
+        return {"model": self.model_path.name, "family": m.family, "sha256": m.sha256, "opset": m.opset,
+                "exporter": m.exporter, "sampler": m.sampler, "providers": self.providers,
+                "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],
+                "preprocess": m.preprocess, "postprocess": m.postprocess | {"score_threshold": self.score_threshold},
+                "versions": m.versions}

@@ -1,0 +1,172 @@
+"""A Triton Inference Server model repository for an exported model (onnxruntime backend).
+
+    <repo>/<name>/config.pbtxt
+    <repo>/<name>/1/model.onnx               (hard-linked where possible, else copied)
+    <repo>/<name>/1/model.manifest.json      (for clients: pre- and post-processing stay with them)
+
+Names, data types and shapes come from the manifest, which records them as the graph declares them. When every input
+and output has a dynamic leading axis, the model batches: `max_batch_size` > 0, dims leave the batch axis out, and
+Triton's dynamic batcher may join requests (of equal shapes). Other dynamic axes are -1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from d2export.manifest import Manifest, TensorSpec, manifest_path
+
+TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
+                "uint64": "TYPE_UINT64", "int8": "TYPE_INT8", "int16": "TYPE_INT16", "int32": "TYPE_INT32",
+                "int64": "TYPE_INT64", "float16": "TYPE_FP16", "float32": "TYPE_FP32", "float64": "TYPE_FP64"}
+
+
+def _dynamic(d: Any) -> bool:
+    return not isinstance(d, int) or d <= 0
+
+
+def batchable(manifest: Manifest) -> bool:
+    """Every tensor's first axis is dynamic (the graph's batch axis)."""
+    return all(t.shape and _dynamic(t.shape[0]) for t in manifest.inputs + manifest.outputs)
+
+
+def _tensor_block(t: TensorSpec, skip_batch: bool) -> str:
+    if t.dtype not in TRITON_TYPES:
+        raise ValueError(f"{t.name}: dtype {t.dtype} has no Triton type")
+    dims = [-1 if _dynamic(d) else int(d) for d in (t.shape[1:] if skip_batch else t.shape)]
+    return (f'  {{\n    name: "{t.name}"\n    data_type: {TRITON_TYPES[t.dtype]}\n'
+            f'    dims: [ {", ".join(map(str, dims))} ]\n  }}')
+
+
+def config_text(manifest: Manifest, name: str, max_batch_size: int = 8, queue_delay_us: int = 2000,
+                instances: int = 1, kind: str = "KIND_CPU", tensorrt: bool = False) -> str:
+    """config.pbtxt for the onnxruntime backend."""
+    batch = max_batch_size if batchable(manifest) else 0
+    lines = [f'name: "{name}"', 'backend: "onnxruntime"', f'default_model_filename: "{manifest.model_file}"',
+             f"max_batch_size: {batch}",
+             "input [\n" + ",\n".join(_tensor_block(t, batch > 0) for t in manifest.inputs) + "\n]",
+             "output [\n" + ",\n".join(_tensor_block(t, batch > 0) for t in manifest.outputs) + "\n]"]
+    if batch > 0:
+        lines.append(f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}")
+    lines.append(f"instance_group [\n  {{\n    count: {instances}\n    kind: {kind}\n  }}\n]")
+    if tensorrt:
+        lines.append('optimization {\n  execution_accelerators {\n    gpu_execution_accelerator [\n'
+                     '      { name: "tensorrt" }\n    ]\n  }\n}')
+    return "\n".join(lines) + "\n"
+
+
+def write_repository(model_path: str | os.PathLike, repo: str | os.PathLike, name: str | None = None,
+                     version: int = 1, **config: Any) -> Path:
+    """Writes (or refreshes) `<repo>/<name>/`; returns that folder. `config`: as config_text's keywords."""
+    model_path = Path(model_path)
+    manifest = Manifest.read(manifest_path(model_path))
+    name = name or model_path.stem
+    if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
+        raise ValueError(f"model name {name!r}: use letters, digits, '_', '-', '.'")
+    folder = Path(repo) / name
+    version_dir = folder / str(version)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    target = version_dir / manifest.model_file
+    target.unlink(missing_ok=True)
+    try:
+        os.link(model_path, target)  # the exporter replaces files by renaming, so a link never changes under us
+    except OSError:
+        shutil.copyfile(model_path, target)
+    shutil.copyfile(manifest_path(model_path), manifest_path(target))
+    (folder / "config.pbtxt").write_text(config_text(manifest, name, **config))
+    return folder
+
+
+# protobuf text format, enough of it to read a config.pbtxt back ------------------------------------------------------
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|#[^\n]*|[{}\[\]:,;]|[^\s{}\[\]:,;"#]+')
+
+
+def parse_pbtxt(text: str) -> dict[str, Any]:
+    """Protobuf text format → dict. A field given once is a value (a dict for a message), a repeated field or a
+    `[…]` list is a list; numbers become int/float, enums and identifiers stay strings."""
+    tokens, end = [], 0
+    for m in _TOKEN.finditer(text):
+        if text[end:m.start()].strip():
+            raise ValueError(f"pbtxt: cannot read at offset {end}: {text[end:end + 20]!r}")
+        end = m.end()
+        if not m.group().startswith("#"):
+            tokens.append(m.group())
+    if text[end:].strip():
+        raise ValueError(f"pbtxt: cannot read at offset {end}: {text[end:end + 20]!r}")
+    return _message(tokens, 0, top=True)[0]
+
+
+def _scalar(tok: str) -> Any:
+    if tok.startswith('"'):
+        return bytes(tok[1:-1], "utf-8").decode("unicode_escape")
+    for cast in (int, float):
+        try:
+            return cast(tok)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(tok, tok)
+
+
+def _value(tokens: list[str], i: int) -> tuple[Any, int]:
+    if tokens[i] == "{":
+        return _message(tokens, i + 1)
+    if tokens[i] == "[":
+        items, i = [], i + 1
+        while tokens[i] != "]":
+            item, i = _value(tokens, i)
+            items.append(item)
+            if tokens[i] == ",":
+                i += 1
+        return items, i + 1
+    return _scalar(tokens[i]), i + 1
+
+
+def _message(tokens: list[str], i: int, top: bool = False) -> tuple[dict[str, Any], int]:
+    fields: dict[str, Any] = {}
+    while i < len(tokens) and tokens[i] != "}":
+        key, i = tokens[i], i + 1
+        if tokens[i] == ":":
+            i += 1
+        value, i = _value(tokens, i)
+        if key in fields:  # a repeated field written out once per element
+            prior = fields[key]
+            fields[key] = (prior if isinstance(prior, list) else [prior]) + (value if isinstance(value, list)
+                                                                              else [value])
+        else:
+            fields[key] = value
+        if i < len(tokens) and tokens[i] in (",", ";"):
+            i += 1
+    if top and i < len(tokens):
+        raise ValueError("pbtxt: unbalanced '}'")
+    if not top and i >= len(tokens):
+        raise ValueError("pbtxt: missing '}'")
+    return fields, i + (0 if top else 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="d2export triton-repo",
+                                 description="Write a Triton Inference Server model repository for an exported model.")
+    ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
+    ap.add_argument("repo", help="the model repository folder (created if missing)")
+    ap.add_argument("--name", default=None, help="model name in the repository (default: the file's stem)")
+    ap.add_argument("--version", type=int, default=1)
+    ap.add_argument("--max-batch-size", type=int, default=8, help="0 turns batching off")
+    ap.add_argument("--queue-delay-us", type=int, default=2000, help="dynamic batcher's wait for company")
+    ap.add_argument("--instances", type=int, default=1, help="model instances per device")
+    ap.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
+    ap.add_argument("--tensorrt", action="store_true", help="ask the onnxruntime backend for its TensorRT EP")
+    args = ap.parse_args(argv)
+    try:
+        folder = write_repository(args.model, args.repo, args.name, args.version,
+                                  max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
+                                  instances=args.instances, kind="KIND_GPU" if args.gpu or args.tensorrt else "KIND_CPU",
+                                  tensorrt=args.tensorrt)
+    except (OSError, ValueError) as e:
+        print(f"d2export triton-repo: error: {e}", file=sys.stderr)
+        return 2
+    print(folder / "config.pbtxt")
+    return 0
