@@ -37,6 +37,7 @@ setup(
         "torch>=2.1",
         "torchvision>=0.16",
         "onnx>=1.15",
+        "onnxscript>=0.2",  # the torch.export-based exporter (export.exporter=dynamo)
         *ORT,
         "hydra-core>=1.3",
         "omegaconf>=2.3",

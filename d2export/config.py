@@ -7,6 +7,8 @@ from typing import Any, List, Optional, Sequence
 
 from omegaconf import MISSING
 
+from d2export import DEFAULT_COMPILED_OPS
+
 
 @dataclass
 class ModelConfig:
@@ -27,7 +29,7 @@ class ModelConfig:
 @dataclass
 class PluginConfig:
     # compiled MSDA extensions to stand in for when missing or CPU-less
-    compiled_ops: List[str] = field(default_factory=lambda: ["adet._C", "MultiScaleDeformableAttention"])
+    compiled_ops: List[str] = field(default_factory=lambda: list(DEFAULT_COMPILED_OPS))
     swap_msda: bool = True
 
 
@@ -56,6 +58,9 @@ class VerifyConfig:
     rtol: float = 1e-3
     max_mismatch: float = 1e-3  # fraction of integer (argmax) outputs allowed to flip on near-ties
     providers: List[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
+    # the parity ladder: compare every module's output, eager vs onnxruntime, and name the first that diverges
+    # (runs on a failed verification, before the error; with true, always)
+    ladder: bool = False
 
 
 @dataclass

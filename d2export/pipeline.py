@@ -4,6 +4,7 @@ Nothing lands at the destination unless every step passed: the graph is staged b
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -11,7 +12,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -79,11 +80,19 @@ def verification_cases(built: Built) -> list[verify_mod.Case]:
     return cases
 
 
-def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
+@contextlib.contextmanager
+def export_scope(built: Built) -> Iterator:
+    """Everything that must hold while tracing: the configured MSDA sampler and the patches the target needs.
+    Yields the patch report. The ladder and the benchmarks export through this too."""
     from d2export.ops.msda import use_sampler
-    from d2export.patching import family  # noqa: F401 - registers the model-family patches
-    from d2export.patching.registry import Target, apply_patches
+    from d2export.patching import Target, apply_patches
 
+    e = built.cfg.export
+    with use_sampler(e.sampler), apply_patches(model=built.model, target=Target(e.opset, e.target)) as report:
+        yield report
+
+
+def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
     started = time.perf_counter()
     built = prepare(cfg, root)
     adapter, e = built.adapter, cfg.export
@@ -98,7 +107,7 @@ def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
     out_dir.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkstemp(dir=out_dir, prefix=f".{final.stem}.", suffix=".staged.onnx")[1])
     try:
-        with use_sampler(e.sampler), apply_patches(model=built.model, target=Target(e.opset, e.target)) as report:
+        with export_scope(built) as report:
             _step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
             result = export_onnx(adapter, args, staged, input_names=adapter.input_names,
                                  output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,

@@ -2,6 +2,7 @@
 from d2export.patching.registry import (ALWAYS, Needs, PatchRecord, PatchRegistry, PatchReport, REGISTRY, Target,
                                         apply_patches, has_attrs, register_patch)
 from d2export.patching import rewrites as _rewrites  # noqa: E402,F401 - registers the built-in rewrites
+from d2export.patching import family as _family  # noqa: E402,F401 - registers the MSDA and model-family patches
 
 __all__ = ["ALWAYS", "Needs", "PatchRecord", "PatchRegistry", "PatchReport", "REGISTRY", "Target", "apply_patches",
            "has_attrs", "register_patch"]
