@@ -136,15 +136,38 @@ def _slim(model: onnx.ModelProto) -> onnx.ModelProto:
     return onnxslim.slim(model)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _user_frame(error: BaseException) -> str:
+    """The innermost frame outside torch and site-packages across the exception's causes: where the model's code
+    was when the exporter gave up."""
+    import traceback
+
+    found = ""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for frame in traceback.extract_tb(error.__traceback__):
+            if "site-packages" not in frame.filename and "/torch/" not in frame.filename \
+                    and "d2export/exporting" not in frame.filename:
+                found = f"{frame.filename}:{frame.lineno} ({frame.name}): {frame.line}"
+        error = error.__cause__ or error.__context__
+    return found
+
+
 _UNSUPPORTED = re.compile(r"operator '?(?P<op>[\w:.]+)'? to ONNX opset version (?P<opset>\d+)", re.I)
 
 
 def describe_export_failure(error: Exception, module: torch.nn.Module, args: tuple) -> str:
     """One line that names the unsupported operator and the module paths and source lines that produced it."""
-    msg = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    m = _UNSUPPORTED.search(str(error))
+    text = _ANSI.sub("", str(error))
+    summary = text.split("## Exception summary", 1)[-1].strip()  # torch.export's errors put the cause there
+    msg = summary.splitlines()[0] if summary else type(error).__name__
+    m = _UNSUPPORTED.search(text)
     if not m:
-        return f"export failed: {msg}"
+        where = _user_frame(error)
+        return f"export failed: {msg}" + (f"\n  at {where}" if where else "")
     op = m.group("op")
     where = locate_op(module, args, op if "::" in op else f"aten::{op}")
     lines = [f"unsupported operator {op} at opset {m.group('opset')}"]
@@ -176,5 +199,7 @@ def locate_op(module: torch.nn.Module, args: tuple, kind: str) -> list[tuple[str
 
 
 def _source_line(node) -> str:
-    stack = node.sourceRange().strip().splitlines()
-    return stack[-1].strip() if stack else "<unknown>"
+    """The innermost frame of the node's recorded Python stack that is the model's own code, not torch's."""
+    stack = [line.strip() for line in node.sourceRange().strip().splitlines()]
+    own = [line for line in stack if "site-packages" not in line and "/torch/" not in line]
+    return (own or stack or ["<unknown>"])[0]
