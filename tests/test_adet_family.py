@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from d2export.ops import level_shapes
 from d2export.patching import adet_family, compiled_ops
 
 compiled_ops.install(["testr._C"])
@@ -14,7 +15,7 @@ from testr.modeling.transformer_detector import MaskedBackbone  # noqa: E402
 SIZES = [[(37, 53), (40, 40)], [(64, 24)], [(17, 90), (90, 17), (50, 51)]]
 
 
-def level_shapes(hmax, wmax, strides=(8, 16, 32)):
+def feature_sizes(hmax, wmax, strides=(8, 16, 32)):
     return [(-(-hmax // s), -(-wmax // s)) for s in strides]
 
 
@@ -22,7 +23,7 @@ def masks_original(image_sizes, strides=(8, 16, 32)):
     wrapper = MaskedBackbone.__new__(MaskedBackbone)
     wrapper.feature_strides = list(strides)
     hmax, wmax = max(h for h, _ in image_sizes), max(w for _, w in image_sizes)
-    shapes = [(len(image_sizes), 1, h, w) for h, w in level_shapes(hmax, wmax, strides)]
+    shapes = [(len(image_sizes), 1, h, w) for h, w in feature_sizes(hmax, wmax, strides)]
     return wrapper, shapes, MaskedBackbone.mask_out_padding(wrapper, shapes, image_sizes, "cpu")
 
 
@@ -67,11 +68,11 @@ def test_sizes_stack_into_a_traced_tensor():
     class Shapes(torch.nn.Module):
         def forward(self, a, b):
             sizes = [a.shape[-2:], b.shape[-2:]]
-            seen.append(adet_family.holds_tensor(sizes))  # traced sizes are 0-d tensors
-            return adet_family.stack_sizes(sizes).prod(1)
+            seen.append(level_shapes.holds_size(sizes))  # traced sizes are 0-d tensors
+            return level_shapes.stack_sizes(sizes).prod(1)
 
     seen = []
     traced = torch.jit.trace(Shapes(), (torch.zeros(1, 4, 6), torch.zeros(1, 2, 3)), check_trace=False)
     assert seen == [True]
     assert traced(torch.zeros(1, 5, 7), torch.zeros(1, 3, 3)).tolist() == [35, 9]
-    assert adet_family.stack_sizes([(4, 6), (2, 3)]).tolist() == [[4, 6], [2, 3]]
+    assert level_shapes.stack_sizes([(4, 6), (2, 3)]).tolist() == [[4, 6], [2, 3]]

@@ -13,9 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def _as_size_tensor(x, device=None) -> Tensor:
-    return x.to(device=device, dtype=torch.long) if isinstance(x, Tensor) else torch.tensor(x, device=device)
+from d2export.ops.level_shapes import level_shapes, level_starts, size_tensor
 
 
 def mask_out_padding(self, feature_shapes, image_sizes, device):
@@ -23,8 +21,7 @@ def mask_out_padding(self, feature_shapes, image_sizes, device):
     if isinstance(image_sizes, Tensor):
         sizes = image_sizes.to(device=device, dtype=torch.long)
     else:
-        sizes = torch.stack([torch.stack([_as_size_tensor(h, device), _as_size_tensor(w, device)])
-                             for h, w in image_sizes])
+        sizes = torch.stack([torch.stack([size_tensor(h), size_tensor(w)]) for h, w in image_sizes]).to(device)
     masks = []
     for stride, shape in zip(self.feature_strides, feature_shapes):
         _, _, height, width = shape
@@ -35,20 +32,16 @@ def mask_out_padding(self, feature_shapes, image_sizes, device):
     return masks
 
 
-def _level_shapes(spatial_shapes: Tensor):
-    """(H, W) of each level as 0-dim tensors: traced, never Python ints."""
-    # unbind keeps the level count structural without reading a size (no TracerWarning)
-    return [tuple(level.unbind(0)) for level in spatial_shapes.unbind(0)]
 
 
-def _centres(n: Tensor, dtype, device) -> Tensor:
+def _centres(n, dtype, device) -> Tensor:
     """0.5, 1.5, …, n − 0.5 (linspace(0.5, n − 0.5, n) exactly, without turning n into an int)."""
     return torch.arange(n, dtype=dtype, device=device) + 0.5
 
 
 def get_reference_points(spatial_shapes, valid_ratios, device):
     refs = []
-    for lvl, (h, w) in enumerate(_level_shapes(spatial_shapes)):
+    for lvl, (h, w) in enumerate(level_shapes(spatial_shapes)):
         ref_y, ref_x = torch.meshgrid(_centres(h, torch.float32, device), _centres(w, torch.float32, device),
                                       indexing="ij")
         ref_y = ref_y.reshape(-1)[None] / (valid_ratios[:, None, lvl, 1] * h)
@@ -60,8 +53,8 @@ def get_reference_points(spatial_shapes, valid_ratios, device):
 def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shapes):
     n = memory.shape[0]
     proposals = []
-    start = spatial_shapes.new_zeros(())
-    for lvl, (h, w) in enumerate(_level_shapes(spatial_shapes)):
+    shapes = level_shapes(spatial_shapes)
+    for lvl, ((h, w), start) in enumerate(zip(shapes, level_starts(shapes))):
         mask = memory_padding_mask[:, start:start + h * w].view(n, h, w, 1)
         valid_h = torch.sum(~mask[:, :, 0, 0], 1)
         valid_w = torch.sum(~mask[:, 0, :, 0], 1)
@@ -72,7 +65,6 @@ def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shap
         grid = (grid.unsqueeze(0).expand(n, -1, -1, -1) + 0.5) / scale
         wh = torch.ones_like(grid) * 0.05 * (2.0 ** lvl)
         proposals.append(torch.cat((grid, wh), -1).view(n, -1, 4))
-        start = start + h * w
     proposals = torch.cat(proposals, 1)
     valid = ((proposals > 0.01) & (proposals < 0.99)).all(-1, keepdim=True)
     proposals = torch.log(proposals / (1 - proposals))
@@ -80,18 +72,6 @@ def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shap
     proposals = proposals.masked_fill(~valid, float("inf"))
     out = memory.masked_fill(memory_padding_mask.unsqueeze(-1), 0.0).masked_fill(~valid, 0.0)
     return self.enc_output_norm(self.enc_output(out)), proposals
-
-
-def holds_tensor(data) -> bool:
-    """A (nested) list or tuple with a tensor in it: sizes read from traced shapes."""
-    return any(isinstance(x, Tensor) or isinstance(x, (list, tuple)) and holds_tensor(x) for x in data)
-
-
-def stack_sizes(data) -> Tensor:
-    """`torch.as_tensor([(h, w), …])` where h, w are traced sizes: stacked, so they stay in the graph."""
-    if isinstance(data, (list, tuple)):
-        return torch.stack([stack_sizes(x) for x in data])
-    return data.to(torch.long) if isinstance(data, Tensor) else torch.tensor(data, dtype=torch.long)
 
 
 def has_mask_out_padding(module) -> bool:

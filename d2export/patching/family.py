@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from d2export.ops import level_shapes
 from d2export.patching import adet_family, msda_swap
 from d2export.patching.registry import register_patch
 
@@ -17,9 +18,14 @@ def msda_forward(self, *args, **kwargs):
 @register_patch("sizes-as-tensor", function="torch.as_tensor",
                 why="torch.as_tensor([(h, w), …]) of traced sizes becomes a constant: stack the sizes instead")
 def sizes_as_tensor(data, dtype=None, device=None):
-    if isinstance(data, (list, tuple)) and adet_family.holds_tensor(data):
-        return adet_family.stack_sizes(data).to(dtype=dtype or torch.long, device=device)
+    if isinstance(data, (list, tuple)) and level_shapes.holds_size(data):
+        shapes = level_shapes.stack_sizes(data).to(dtype=dtype or torch.long, device=device)
+        return level_shapes.remember(shapes, data) if _is_level_list(data) else shapes
     return NotImplemented
+
+
+def _is_level_list(data) -> bool:
+    return all(isinstance(x, (list, tuple)) and len(x) == 2 for x in data)
 
 
 @register_patch("padding-mask-from-sizes", module=lambda name, m: adet_family.has_mask_out_padding(m),

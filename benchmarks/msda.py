@@ -1,0 +1,238 @@
+"""MSDA benchmark at TESTR sizes: our samplers against the known pure-PyTorch replacements.
+
+    .venv/bin/python tools/benchmark.py msda [--sizes 640 1024] [--threads 1] [--rounds 7] [--no-memory]
+
+Shapes: input 640² / 1024², 4 levels at strides 8-64, M=8 heads, D=32, P=4; encoder Lq = Len_in, decoder Lq 1600
+(TESTR's location branch, 100×16) and 2500 (text branch, 100×25). Sampling locations are TESTR-like: a reference
+point per query (the query's own pixel in the encoder, random boxes' points in the decoder) plus offsets of a few
+pixels, ~5% of them outside the image. onnxruntime runs on the CPU with the thread count given; every formulation is
+warmed up, then timed in interleaved rounds (medians). Peak memory: the growth of peak RSS during one call, each
+formulation alone in a fresh child process.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from d2export.ops.msda import multi_scale_deformable_attention
+
+HEADS, DIM, LEVELS, POINTS = 8, 32, 4, 4
+STRIDES = (8, 16, 32, 64)
+
+
+# --- the replacements users have today (written here from their published descriptions) -----------------------
+def reference_msda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Deformable-DETR's pure-PyTorch core: per-level F.grid_sample, level sizes as Python ints."""
+    n, _, m, d = value.shape
+    _, lq, _, n_levels, n_points, _ = sampling_locations.shape
+    sizes = [(int(h), int(w)) for h, w in spatial_shapes]
+    levels = value.split([h * w for h, w in sizes], dim=1)
+    grids = 2 * sampling_locations - 1
+    samples = []
+    for level, (h, w) in enumerate(sizes):
+        value_l = levels[level].flatten(2).transpose(1, 2).reshape(n * m, d, h, w)
+        grid_l = grids[:, :, :, level].transpose(1, 2).flatten(0, 1)
+        samples.append(F.grid_sample(value_l, grid_l, mode="bilinear", padding_mode="zeros", align_corners=False))
+    weights = attention_weights.transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)
+    out = (torch.stack(samples, dim=-2).flatten(-2) * weights).sum(-1).view(n, m * d, lq)
+    return out.transpose(1, 2).contiguous()
+
+
+def _four_gather_grid_sample(image, grid):
+    """mmcv-style bilinear sampler: pad by 1 px, then four torch.gather calls on channel-expanded int64 indices."""
+    n, c, h, w = image.shape
+    _, gh, gw, _ = grid.shape
+    x = ((grid[..., 0] + 1) * w - 1) / 2 + 1  # +1: the padding
+    y = ((grid[..., 1] + 1) * h - 1) / 2 + 1
+    x, y = x.reshape(n, -1), y.reshape(n, -1)
+    x0, y0 = torch.floor(x).long(), torch.floor(y).long()
+    x1, y1 = x0 + 1, y0 + 1
+    wa, wb = ((x1 - x) * (y1 - y)).unsqueeze(1), ((x1 - x) * (y - y0)).unsqueeze(1)
+    wc, wd = ((x - x0) * (y1 - y)).unsqueeze(1), ((x - x0) * (y - y0)).unsqueeze(1)
+    padded = F.pad(image, (1, 1, 1, 1)).view(n, c, -1)
+    pw, ph = w + 2, h + 2
+    x0, x1 = x0.clamp(0, pw - 1), x1.clamp(0, pw - 1)
+    y0, y1 = y0.clamp(0, ph - 1), y1.clamp(0, ph - 1)
+
+    def corner(xi, yi):
+        return torch.gather(padded, 2, (xi + yi * pw).unsqueeze(1).expand(-1, c, -1))
+
+    out = corner(x0, y0) * wa + corner(x0, y1) * wb + corner(x1, y0) * wc + corner(x1, y1) * wd
+    return out.view(n, c, gh, gw)
+
+
+def mmcv_style_msda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """The Deformable-DETR core with mmcv's 4-gather sampler in place of F.grid_sample (what mmdeploy exports
+    for runtimes without GridSample)."""
+    n, _, m, d = value.shape
+    _, lq, _, n_levels, n_points, _ = sampling_locations.shape
+    sizes = [(int(h), int(w)) for h, w in spatial_shapes]
+    levels = value.split([h * w for h, w in sizes], dim=1)
+    grids = 2 * sampling_locations - 1
+    samples = [_four_gather_grid_sample(levels[lv].flatten(2).transpose(1, 2).reshape(n * m, d, h, w),
+                                        grids[:, :, :, lv].transpose(1, 2).flatten(0, 1))
+               for lv, (h, w) in enumerate(sizes)]
+    weights = attention_weights.transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)
+    out = (torch.stack(samples, dim=-2).flatten(-2) * weights).sum(-1).view(n, m * d, lq)
+    return out.transpose(1, 2).contiguous()
+
+
+# --- inputs ------------------------------------------------------------------------------------------------------
+def make_inputs(size: int, lq: int | None, seed: int = 0):
+    """TESTR-like MSDA inputs for a size×size image; lq None = encoder (one query per token)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = torch.tensor([(size // s, size // s) for s in STRIDES])
+    areas = shapes.prod(1)
+    starts = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+    s = int(areas.sum())
+    if lq is None:  # encoder: each token's reference point is its own pixel centre
+        ref = torch.cat([torch.stack(torch.meshgrid((torch.arange(h) + 0.5) / h, (torch.arange(w) + 0.5) / w,
+                                                    indexing="ij")[::-1], -1).reshape(-1, 2) for h, w in shapes.tolist()])
+    else:
+        ref = torch.rand(lq, 2, generator=gen)
+    lq = ref.shape[0]
+    pixel_offsets = 2.0 * torch.randn(1, lq, HEADS, LEVELS, POINTS, 2, generator=gen)
+    wh = shapes.flip(-1).to(torch.float32).view(1, 1, 1, LEVELS, 1, 2)
+    loc = ref.view(1, lq, 1, 1, 1, 2) + pixel_offsets / wh
+    value = torch.randn(1, s, HEADS, DIM, generator=gen)
+    attn = torch.rand(1, lq, HEADS, LEVELS * POINTS, generator=gen).softmax(-1).view(1, lq, HEADS, LEVELS, POINTS)
+    return value, shapes, starts, loc, attn
+
+
+# --- formulations ------------------------------------------------------------------------------------------------
+class _Core(torch.nn.Module):
+    def __init__(self, fn, **kw):
+        super().__init__()
+        self.fn, self.kw = fn, kw
+
+    def forward(self, *args):
+        return self.fn(*args, **self.kw)
+
+
+def _ours(sampler):
+    return _Core(multi_scale_deformable_attention, sampler=sampler)
+
+
+# name -> (module, "eager" or opset to export at)
+FORMULATIONS = {
+    "eager reference (per-level grid_sample)": (_Core(reference_msda), "eager"),
+    "eager ours: pytorch": (_ours("pytorch"), "eager"),
+    "ORT reference (GridSample)": (_Core(reference_msda), 17),
+    "ORT mmcv-style 4-gather": (_Core(mmcv_style_msda), 17),
+    "ORT ours: grid_sample": (_ours("grid_sample"), 17),
+    "ORT ours: gather": (_ours("gather"), 17),
+}
+NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
+
+
+def build_runner(name, inputs, threads):
+    module, how = FORMULATIONS[name]
+    if how == "eager":
+        def run():
+            with torch.no_grad():
+                module(*inputs)
+        return run
+    import onnxruntime as ort
+    buf = io.BytesIO()
+    torch.onnx.export(module, inputs, buf, input_names=NAMES, output_names=["out"], opset_version=how, dynamo=False)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    session = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
+    used = {i.name for i in session.get_inputs()}  # the reference bakes the level sizes: its graph drops them
+    feed = {k: v.numpy() for k, v in zip(NAMES, inputs) if k in used}
+    return lambda: session.run(None, feed)
+
+
+def _rss_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def peak_memory_mb(name, size, lq, threads):
+    """Growth of peak RSS over the first call, in a fresh child process."""
+    cmd = [sys.executable, "-m", "benchmarks.msda", "--peak-of", name, "--sizes", str(size), "--threads",
+           str(threads), "--lq", str(lq or 0)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=_ROOT).stdout
+    return json.loads(out.strip().splitlines()[-1])["peak_mb"]
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_peak(name, size, lq, threads):
+    torch.set_num_threads(threads)
+    run = build_runner(name, make_inputs(size, lq or None), threads)
+    with open("/proc/self/clear_refs", "w") as f:  # reset the peak-RSS mark (Linux)
+        f.write("5")
+    before = _rss_kb("VmRSS")
+    run()  # the first call: it sizes onnxruntime's arena, which later calls reuse
+    print(json.dumps({"peak_mb": (_rss_kb("VmHWM") - before) / 1024}))
+
+
+def bench_case(size, lq, threads, rounds, memory):
+    inputs = make_inputs(size, lq)
+    runners = {name: build_runner(name, inputs, threads) for name in FORMULATIONS}
+    times = {name: [] for name in runners}
+    for name, run in runners.items():  # warm-up
+        run()
+    for _ in range(rounds):
+        for name, run in runners.items():
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
+    ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    peaks = {name: peak_memory_mb(name, size, lq, threads) for name in runners} if memory else {}
+    return inputs[3].shape[1], ms, peaks
+
+
+RATIOS = [  # (label, slower, faster, goal)
+    ("gather vs eager reference", "eager reference (per-level grid_sample)", "ORT ours: gather", {"enc": 4.0}),
+    ("gather vs ORT GridSample reference", "ORT reference (GridSample)", "ORT ours: gather", {"enc": 1.5, "dec": 1.0}),
+    ("gather vs ORT mmcv-style", "ORT mmcv-style 4-gather", "ORT ours: gather", {"enc": 2.5, "dec": 2.5}),
+    ("eager pytorch vs eager reference", "eager reference (per-level grid_sample)", "eager ours: pytorch", {}),
+]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[640, 1024])
+    p.add_argument("--decoder-queries", type=int, nargs="+", default=[1600, 2500])
+    p.add_argument("--threads", type=int, default=1, help="torch and onnxruntime intra-op threads")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    p.add_argument("--peak-of", help=argparse.SUPPRESS)
+    p.add_argument("--lq", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.peak_of:
+        return _child_peak(args.peak_of, args.sizes[0], args.lq, args.threads)
+    torch.set_num_threads(args.threads)
+    import onnxruntime
+    print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, {args.threads} thread(s), "
+          f"{args.rounds} rounds, medians in ms (peak RSS growth in MB)")
+    for size in args.sizes:
+        for lq in [None, *args.decoder_queries]:
+            kind = "enc" if lq is None else "dec"
+            n_q, ms, peaks = bench_case(size, lq, args.threads, args.rounds, not args.no_memory)
+            print(f"\n## {size}x{size}, {'encoder' if lq is None else 'decoder'} Lq={n_q}")
+            for name in ms:
+                peak = f"  ({peaks[name]:7.0f} MB)" if peaks else ""
+                print(f"  {name:42s} {ms[name]:9.1f} ms{peak}")
+            for label, slow, fast, goals in RATIOS:
+                goal = goals.get(kind)
+                verdict = "" if goal is None else f"  goal >= {goal}x: {'met' if ms[slow] / ms[fast] >= goal else 'MISSED'}"
+                print(f"  ratio {label:38s} {ms[slow] / ms[fast]:5.2f}x{verdict}")
+
+
+if __name__ == "__main__":
+    main()

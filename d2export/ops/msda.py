@@ -1,0 +1,177 @@
+"""Multi-scale deformable attention (MSDA) core in pure PyTorch: traceable, exact, device-safe.
+
+Same tensor signature and semantics as the compiled Deformable-DETR op: bilinear sampling with zero padding and
+align_corners=False, i.e. what `F.grid_sample(value_l, 2 * loc - 1)` computes per level, weighted by the attention
+weights and summed over levels and points.
+
+Samplers (pick one with `sampler=`; "auto" picks for you):
+- "gather": every level, point and corner at once: one Gather of 2×2 pixel windows from a "quad table" and one
+  MatMul with bilinear × attention weights (see `_bilinear`). Only opset-11 ops, no GridSample node; the fastest
+  exported to onnxruntime on the CPU, safe for TensorRT.
+- "grid_sample": one F.grid_sample per level (GridSample nodes, opset >= 16).
+- "pytorch": the fastest formulation eagerly in PyTorch (one grid_sample per level, levels' sizes read once).
+- "trt_plugin": exports one `MultiscaleDeformableAttnPlugin_TRT` node for TensorRT; computes like "gather" eagerly.
+"auto" is "pytorch" eagerly and, while tracing or exporting, "gather" or whatever `use_sampler(...)` set.
+
+No sampler turns spatial_shapes or level_start_index into Python numbers while tracing, so a graph exported at one
+image size computes correctly at any other.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import warnings
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ._bilinear import bilinear_window, quad_table
+
+SAMPLERS = ("auto", "gather", "grid_sample", "pytorch", "trt_plugin")
+EXPORT_DEFAULT = "gather"
+
+_export_sampler = contextvars.ContextVar("d2export_msda_export_sampler", default=EXPORT_DEFAULT)
+
+
+@contextlib.contextmanager
+def use_sampler(name: str) -> Iterator[None]:
+    """Within the block, "auto" resolves to `name` while tracing/exporting (eager calls keep "pytorch")."""
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown MSDA sampler {name!r}; choose from {SAMPLERS}")
+    token = _export_sampler.set(EXPORT_DEFAULT if name == "auto" else name)
+    try:
+        yield
+    finally:
+        _export_sampler.reset(token)
+
+
+def is_exporting() -> bool:
+    """True while the TorchScript tracer, torch.onnx.export or torch.export is recording the graph."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_exporting()
+
+
+def resolve_sampler(sampler: str = "auto") -> str:
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown MSDA sampler {sampler!r}; choose from {SAMPLERS}")
+    if sampler != "auto":
+        return sampler
+    return _export_sampler.get() if is_exporting() else "pytorch"
+
+
+def multi_scale_deformable_attention(value: torch.Tensor, spatial_shapes: torch.Tensor,
+                                     level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
+                                     attention_weights: torch.Tensor, *, sampler: str = "auto") -> torch.Tensor:
+    """value [N, S, M, D], spatial_shapes [L, 2] (H, W) integer, level_start_index [L],
+    sampling_locations [N, Lq, M, L, P, 2] normalised (x, y) — outside [0, 1] reads zero padding —,
+    attention_weights [N, Lq, M, L, P]  ->  [N, Lq, M * D] in value's dtype.
+
+    Half-precision inputs are computed in float32 (pixel coordinates in float16 are off by up to 1/8 px at 256 px).
+    """
+    name = resolve_sampler(sampler)
+    if name == "trt_plugin":
+        return _TRTPluginMSDA.apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    compute = torch.promote_types(value.dtype, torch.float32)
+    args = (_to(value, compute), spatial_shapes, level_start_index, _to(sampling_locations, compute),
+            _to(attention_weights, compute))
+    out = _gather(*args) if name == "gather" else _per_level_grid_sample(*args)
+    return _to(out, value.dtype)
+
+
+def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype; no node in the graph when it is already (the tracer records even a no-op `.to`)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _level_bounds(spatial_shapes, level_start_index):
+    """[(H, W, start), ...] per level: Python ints eagerly (one device sync), 0-d tensors while exporting so the
+    graph keeps following the feature maps' sizes."""
+    if is_exporting():
+        return [(hw[0], hw[1], start) for hw, start in zip(spatial_shapes.unbind(0), level_start_index.unbind(0))]
+    return [(h, w, start) for (h, w), start in zip(spatial_shapes.tolist(), level_start_index.tolist())]
+
+
+def _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Every level, point and corner at once: one Gather of 2×2 windows' pixels, one MatMul."""
+    n, s, m, d = value.shape
+    _, lq, _, n_levels, n_points, _ = sampling_locations.shape
+    # Per-level numbers as [L, P]: they match the trailing dims of [N, Lq, M, L, P], which onnxruntime broadcasts
+    # as a repeated vector; an [L, 1] operand takes its slow general path (measured 3-8x slower per op).
+    level_shape = (n_levels, n_points)
+    height, width = (v.unsqueeze(-1).expand(level_shape) for v in spatial_shapes.to(value.dtype).unbind(1))
+    # align_corners=False: normalised 0 and 1 are the outer edges of the border pixels
+    x = sampling_locations[..., 0] * width - 0.5
+    y = sampling_locations[..., 1] * height - 0.5
+    offset, weight = bilinear_window(x, y, width, height, "zeros", scale=attention_weights)  # [N,Lq,M,L,P], [.., 4]
+    # Row of value.reshape(N * S * M, D) for (batch b, token t, head h) is (b * S + t) * M + h.
+    # int32 indices gather faster than int64 in onnxruntime; N * S * M stays far below 2**31.
+    idx = offset.dtype
+    # S and M as index-typed 1-element tensors: a traced size (or any 0-d tensor, which the exporter promotes like
+    # a Python scalar) would turn the whole index int64 in the graph.
+    shape = torch._shape_as_tensor(value).to(device=value.device, dtype=idx)
+    s_, m_ = shape[1:2], shape[2:3]
+    batch = torch.arange(n, dtype=idx, device=value.device).view(n, 1, 1, 1, 1) * s_
+    head = torch.arange(m, dtype=idx, device=value.device).view(1, 1, m, 1, 1)
+    base = (batch + level_start_index.to(idx).unsqueeze(-1).expand(level_shape)) * m_ + head  # [N, 1, M, L, P]
+    rows = offset * m_ + base  # the window's top-left pixel
+    taps = n_levels * n_points * 4
+    if _quad_table_pays(lq * n_levels * n_points, s * m):
+        # one 4D-wide row per window; the table costs ~10 copies of value, repaid when windows outnumber rows
+        table = torch.cat([quad_table(value[:, start:start + h * w], w)
+                           for h, w, start in _level_bounds(spatial_shapes, level_start_index)], 1)
+        sampled = table.reshape(n * s * m, 4 * d).index_select(0, rows.reshape(-1))
+    else:  # four D-wide rows per window, straight from value: pixels +1 and +W (+1) are M and W * M rows on.
+        # A 1-pixel-wide (-high) level has no right (lower) neighbour, possibly not even a next row: read the
+        # window's own pixel there instead, which the weight of 0 cancels.
+        dx = (width > 1).to(width.dtype)
+        dy = width * (height > 1).to(width.dtype)
+        corners = torch.stack([torch.zeros_like(dx), dx, dy, dx + dy], -1)  # [L, P, 4]
+        rows = rows.unsqueeze(-1) + corners.to(idx) * m_  # [N, Lq, M, L, P, 4]
+        sampled = value.reshape(n * s * m, d).index_select(0, rows.reshape(-1))
+    return torch.matmul(weight.view(n, lq, m, 1, taps), sampled.view(n, lq, m, taps, d)).view(n, lq, m * d)
+
+
+def _quad_table_pays(windows, value_rows) -> bool:
+    """Whether to build the quad table: a choice of speed only (both ways are exact), made from the sizes seen while
+    tracing — self-attention over the feature maps (Lq = S) takes the table, a decoder's few queries do not."""
+    try:
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+    except ImportError:  # older torch
+        def statically_known_true(x):
+            return bool(x)
+    if isinstance(windows, torch.Tensor):  # TorchScript tracing: sizes are traced 0-d tensors; baking is the point
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            windows, value_rows = int(windows), int(value_rows)
+    return statically_known_true(windows >= value_rows)  # torch.export: no guard on the symbolic sizes
+
+
+def _per_level_grid_sample(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """One F.grid_sample per level over all heads at once (Deformable-DETR's formulation)."""
+    n, s, m, d = value.shape
+    _, lq, _, n_levels, n_points, _ = sampling_locations.shape
+    per_head = value.permute(0, 2, 3, 1).reshape(n * m, d, s)
+    grids = (2 * sampling_locations - 1).transpose(1, 2).reshape(n * m, lq, n_levels, n_points, 2)
+    samples = [F.grid_sample(per_head[:, :, start:start + h * w].reshape(n * m, d, h, w), grids[:, :, level],
+                             mode="bilinear", padding_mode="zeros", align_corners=False)  # [N*M, D, Lq, P]
+               for level, (h, w, start) in enumerate(_level_bounds(spatial_shapes, level_start_index))]
+    sampled = torch.stack(samples, dim=-2).reshape(n * m, d, lq, n_levels * n_points)
+    weight = attention_weights.transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)
+    out = (sampled * weight).sum(-1)  # [N*M, D, Lq]
+    return out.view(n, m * d, lq).transpose(1, 2)
+
+
+class _TRTPluginMSDA(torch.autograd.Function):
+    """Eagerly the gather formulation; exported as TensorRT's MultiscaleDeformableAttnPlugin_TRT node."""
+
+    @staticmethod
+    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        return multi_scale_deformable_attention(value, spatial_shapes, level_start_index, sampling_locations,
+                                                attention_weights, sampler="gather")
+
+    @staticmethod
+    def symbolic(g, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        int32 = 6  # onnx.TensorProto.INT32: the plugin's layout for shapes and starts
+        out = g.op("trt::MultiscaleDeformableAttnPlugin_TRT", value, g.op("Cast", spatial_shapes, to_i=int32),
+                   g.op("Cast", level_start_index, to_i=int32), sampling_locations, attention_weights)
+        return out.setType(value.type().with_sizes([None, None, None]))

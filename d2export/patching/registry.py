@@ -1,0 +1,486 @@
+"""The patch registry: declared, target-scoped, reversible patches that report what the export went through.
+
+A patch names what it replaces, why, and which targets need it (`Needs`). Five kinds, chosen by the keyword given to
+`register_patch`:
+
+- ``function="torch.inverse"`` (or a tuple of dotted paths): a function, method or class attribute is replaced. The
+  replacement takes the original's arguments and may return ``NotImplemented`` to defer to the original for calls
+  it does not rewrite (counted as `deferred`, not as hits). Call sites that bound the name earlier
+  (``from torch import inverse``) are caught only in modules named by ``apply_patches(rebind_in=...)``.
+- ``module=predicate`` (a class, a class name, or ``(name, module) -> bool``) with ``method="forward"``: every matching
+  submodule of the model gets an instance-level override of that method (a function taking ``self`` first), or, when
+  the replacement is an ``nn.Module`` subclass, its ``__class__`` swapped (weights stay; detectron2's trick).
+- ``autograd="pkg.mod.SomeFunction"`` (or a predicate over classes): ``SomeFunction.apply`` is replaced. Aliases bound
+  before the scope (``f = SomeFunction.apply``) are not caught.
+- ``module_import="pkg._C"``: a stand-in module (or a factory ``name -> module``) is served to imports of that name
+  through a `sys.meta_path` finder.
+- ``graph=True``: a pass over the exported ``onnx.ModelProto`` returning how many nodes it rewrote; the export
+  pipeline runs it with `PatchReport.run_graph_patches` after export.
+
+`apply_patches` is a context manager: everything is restored on exit (also on exceptions, also when nested), and
+the yielded `PatchReport` counts hits while the scope is open.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+RUNTIMES = ("onnxruntime", "tensorrt")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the export is for. `version` is the runtime's version (e.g. (8, 6) for TensorRT 8.6); None = current."""
+
+    opset: int = 17
+    runtime: str = "onnxruntime"
+    version: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """One condition under which a patch is needed: opset in the inclusive range, runtime listed, and (if given)
+    the target's runtime version below `version_below`."""
+
+    opsets: tuple[int, int] = (1, 10_000)
+    runtimes: tuple[str, ...] = RUNTIMES
+    version_below: tuple[int, ...] | None = None
+
+    def matches(self, target: Target) -> bool:
+        lo, hi = self.opsets
+        old_enough = self.version_below is None or (target.version is not None and target.version < self.version_below)
+        return lo <= target.opset <= hi and target.runtime in self.runtimes and old_enough
+
+    def __str__(self) -> str:
+        lo, hi = self.opsets
+        parts = []
+        if (lo, hi) != Needs().opsets:
+            parts.append(f"opset {lo}-{hi}" if hi < 10_000 else f"opset >={lo}")
+        if self.runtimes != RUNTIMES or self.version_below:
+            below = f" <{'.'.join(map(str, self.version_below))}" if self.version_below else ""
+            parts.append("/".join(self.runtimes) + below)
+        return " ".join(parts) or "always"
+
+
+ALWAYS = Needs()
+
+
+def has_attrs(*names: str) -> Callable[[str, Any], bool]:
+    """Duck-typed module predicate: the module has every one of these attributes."""
+
+    def predicate(name: str, module: Any) -> bool:
+        return all(hasattr(module, n) for n in names)
+
+    predicate.__qualname__ = f"has_attrs({', '.join(names)})"
+    return predicate
+
+
+# ---------------------------------------------------------------------------------------------------------- report
+@dataclass
+class PatchRecord:
+    """One patch's line in the report. `sites`: places patched; `hits`: calls rewritten; `deferred`: calls the
+    replacement handed back to the original."""
+
+    name: str
+    kind: str
+    replaces: str
+    why: str
+    needed_for: str
+    active: bool = False
+    excluded: bool = False
+    sites: int = 0
+    hits: int = 0
+    deferred: int = 0
+    note: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.excluded:
+            return "excluded"
+        if not self.active:
+            return "not-needed"
+        return "applied" if self.hits else "unused"
+
+    def to_dict(self) -> dict:
+        keys = ("name", "kind", "replaces", "why", "needed_for", "status", "sites", "hits", "deferred", "note")
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass
+class PatchReport:
+    target: Target | None
+    records: list[PatchRecord] = field(default_factory=list)
+    _graph_passes: list[tuple[PatchRecord, Callable]] = field(default_factory=list, repr=False)
+
+    def __getitem__(self, name: str) -> PatchRecord:
+        for r in self.records:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def by_status(self, status: str) -> list[str]:
+        return [r.name for r in self.records if r.status == status]
+
+    def run_graph_patches(self, model) -> int:
+        """Run the active graph patches over an exported onnx.ModelProto (in place); returns nodes rewritten."""
+        total = 0
+        for record, graph_pass in self._graph_passes:
+            n = int(graph_pass(model))
+            record.sites += 1  # a graph pass counts as applied once it has run
+            record.hits += n
+            total += n
+        return total
+
+    def to_dict(self) -> dict:
+        target = None if self.target is None else {**vars(self.target)}
+        return {"target": target, "patches": [r.to_dict() for r in self.records]}
+
+    def __str__(self) -> str:
+        head = ("patch", "kind", "status", "sites", "hits", "needed for", "note")
+        rows = [head] + [(r.name, r.kind, r.status, str(r.sites), str(r.hits), r.needed_for, r.note)
+                         for r in self.records]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------- kinds
+def _counted(replacement: Callable, original: Callable, record: PatchRecord) -> Callable:
+    """Wrap a replacement so that calls are counted and NotImplemented defers to the original."""
+
+    @functools.wraps(replacement)
+    def patched(*args, **kwargs):
+        out = replacement(*args, **kwargs)
+        if out is NotImplemented:
+            record.deferred += 1
+            return original(*args, **kwargs)
+        record.hits += 1
+        return out
+
+    return patched
+
+
+def _set_attr(stack: contextlib.ExitStack, owner: Any, attr: str, value: Any) -> None:
+    """setattr, undone on exit: the previous own attribute is restored, or the attribute deleted if it was inherited."""
+    own = owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+    setattr(owner, attr, value)
+
+    def undo():
+        if own is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, own)
+
+    stack.callback(undo)
+
+
+def resolve(path: str) -> tuple[Any, str]:
+    """'torch.Tensor.any' -> (torch.Tensor, 'any'): import the longest module prefix, then walk attributes."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:-1]:
+            owner = getattr(owner, name)
+        if not hasattr(owner, parts[-1]):
+            raise AttributeError(f"{path}: no attribute {parts[-1]!r}")
+        return owner, parts[-1]
+    raise ImportError(f"cannot import any module prefix of {path!r}")
+
+
+@dataclass
+class Patch:
+    name: str
+    why: str
+    when: tuple[Needs, ...]
+    replacement: Any
+    kind = "patch"
+
+    @property
+    def replaces(self) -> str:
+        raise NotImplementedError
+
+    def needed(self, target: Target | None) -> bool:
+        return target is None or any(n.matches(target) for n in self.when)
+
+    def apply(self, stack: contextlib.ExitStack, record: PatchRecord, scope: "_Scope") -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class FunctionPatch(Patch):
+    paths: tuple[str, ...] = ()
+    kind = "function"
+
+    @property
+    def replaces(self) -> str:
+        return ", ".join(self.paths)
+
+    def apply(self, stack, record, scope):
+        for path in self.paths:
+            try:
+                owner, attr = resolve(path)
+            except (ImportError, AttributeError) as e:
+                record.note = f"{path}: {e}"
+                continue
+            raw = inspect.getattr_static(owner, attr)
+            descriptor = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+            original = raw.__func__ if descriptor else getattr(owner, attr)  # a classmethod's gets cls first
+            patched = _counted(self.replacement, original, record)
+            _set_attr(stack, owner, attr, descriptor(patched) if descriptor else patched)
+            record.sites += 1
+            if isinstance(owner, types.ModuleType):
+                record.sites += scope.rebind(stack, original, patched)
+
+
+@dataclass
+class ModulePatch(Patch):
+    match: Any = None  # a class, a class name (bare or dotted), or a predicate (name, module) -> bool
+    method: str = "forward"
+    kind = "module"
+
+    @property
+    def replaces(self) -> str:
+        what = self.match if isinstance(self.match, str) else getattr(self.match, "__qualname__", repr(self.match))
+        return f"{what}.{self.method}"
+
+    def matches(self, name: str, module: Any) -> bool:
+        if isinstance(self.match, type):
+            return isinstance(module, self.match)
+        if isinstance(self.match, str):
+            return any(self.match in (c.__name__, f"{c.__module__}.{c.__qualname__}") for c in type(module).__mro__)
+        return bool(self.match(name, module))
+
+    def apply(self, stack, record, scope):
+        if scope.model is None:
+            record.note = "no model given"
+            return
+        swap = isinstance(self.replacement, type)
+        for name, module in list(scope.model.named_modules()):
+            if not self.matches(name, module):
+                continue
+            record.sites += 1
+            if swap:
+                stack.callback(setattr, module, "__class__", module.__class__)
+                module.__class__ = self.replacement
+                handle = module.register_forward_pre_hook(lambda *_: setattr(record, "hits", record.hits + 1))
+                stack.callback(handle.remove)
+            else:
+                original = getattr(module, self.method)
+                bound = functools.partial(self.replacement, module)
+                _set_attr(stack, module, self.method, _counted(bound, original, record))
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+@dataclass
+class AutogradPatch(Patch):
+    function: Any = None  # dotted path of an autograd.Function subclass, or a predicate over classes
+    kind = "autograd"
+
+    @property
+    def replaces(self) -> str:
+        what = self.function if isinstance(self.function, str) else getattr(self.function, "__qualname__", "?")
+        return f"{what}.apply"
+
+    def apply(self, stack, record, scope):
+        import torch
+
+        if isinstance(self.function, str):
+            try:
+                owner, attr = resolve(self.function)
+            except (ImportError, AttributeError) as e:
+                record.note = str(e)
+                return
+            classes = [getattr(owner, attr)]
+        else:
+            classes = [c for c in set(_subclasses(torch.autograd.Function)) if self.function(c)]
+        for cls in classes:
+            patched = _counted(self.replacement, cls.apply, record)
+            _set_attr(stack, cls, "apply", staticmethod(patched))
+            record.sites += 1
+
+
+@dataclass
+class ImportPatch(Patch):
+    module_name: str = ""
+    kind = "import"
+
+    @property
+    def replaces(self) -> str:
+        return f"import {self.module_name}"
+
+    def apply(self, stack, record, scope):
+        name, stand_in = self.module_name, self.replacement
+        parent_name, _, child = name.rpartition(".")
+
+        class Loader(importlib.abc.Loader):
+            def create_module(self, spec):
+                record.hits += 1
+                return stand_in if isinstance(stand_in, types.ModuleType) else stand_in(name)
+
+            def exec_module(self, module):
+                pass
+
+        class Finder(importlib.abc.MetaPathFinder):
+            def find_spec(self, fullname, path=None, target=None):
+                return importlib.util.spec_from_loader(name, Loader()) if fullname == name else None
+
+        finder = Finder()
+        saved = sys.modules.pop(name, _MISSING)
+        parent = sys.modules.get(parent_name) if parent_name else None
+        parent_attr = getattr(parent, child, _MISSING) if parent is not None else _MISSING
+        sys.meta_path.insert(0, finder)
+
+        def undo():
+            sys.meta_path.remove(finder)
+            served = sys.modules.pop(name, _MISSING)
+            if saved is not _MISSING:
+                sys.modules[name] = saved
+            owner = sys.modules.get(parent_name) if parent_name else None
+            if owner is not None and served is not _MISSING and getattr(owner, child, None) is served:
+                if parent_attr is _MISSING or owner is not parent:
+                    delattr(owner, child)
+                else:
+                    setattr(owner, child, parent_attr)
+
+        stack.callback(undo)
+        record.sites += 1
+
+
+@dataclass
+class GraphPatch(Patch):
+    kind = "graph"
+
+    @property
+    def replaces(self) -> str:
+        return f"ONNX graph: {getattr(self.replacement, '__name__', '?')}"
+
+    def apply(self, stack, record, scope):
+        scope.report._graph_passes.append((record, self.replacement))
+
+
+# -------------------------------------------------------------------------------------------------------- registry
+@dataclass
+class _Scope:
+    model: Any
+    rebind_in: tuple[str, ...]
+    report: PatchReport
+
+    def rebind(self, stack: contextlib.ExitStack, original: Any, patched: Any) -> int:
+        """Point names bound to `original` in modules under `rebind_in` at `patched`; returns how many."""
+        count = 0
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is None or not any(mod_name == p or mod_name.startswith(p + ".") for p in self.rebind_in):
+                continue
+            for attr, value in list(vars(mod).items()):
+                if value is original:
+                    _set_attr(stack, mod, attr, patched)
+                    count += 1
+        return count
+
+
+class PatchRegistry:
+    def __init__(self):
+        self._patches: dict[str, Patch] = {}
+
+    def __iter__(self) -> Iterator[Patch]:
+        return iter(self._patches.values())
+
+    def __getitem__(self, name: str) -> Patch:
+        return self._patches[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._patches
+
+    def add(self, patch: Patch) -> Patch:
+        if patch.name in self._patches:
+            raise ValueError(f"a patch named {patch.name!r} is registered already")
+        self._patches[patch.name] = patch
+        return patch
+
+    def remove(self, name: str) -> Patch:
+        return self._patches.pop(name)
+
+    def register(self, name: str, *, why: str, when: Needs | Iterable[Needs] = ALWAYS,
+                 function: str | Sequence[str] | None = None, module: Any = None, method: str = "forward",
+                 autograd: Any = None, module_import: str | None = None, graph: bool = False) -> Callable:
+        """Decorator: register the decorated object as the replacement of exactly one kind of target."""
+        kinds = {"function": function, "module": module, "autograd": autograd, "module_import": module_import,
+                 "graph": graph or None}
+        given = [k for k, v in kinds.items() if v is not None]
+        if len(given) != 1:
+            raise TypeError(f"patch {name!r}: give exactly one of {list(kinds)}, got {given}")
+        when = (when,) if isinstance(when, Needs) else tuple(when)
+
+        def decorator(replacement):
+            common = dict(name=name, why=why, when=when, replacement=replacement)
+            if function is not None:
+                patch = FunctionPatch(**common, paths=(function,) if isinstance(function, str) else tuple(function))
+            elif module is not None:
+                patch = ModulePatch(**common, match=module, method=method)
+            elif autograd is not None:
+                patch = AutogradPatch(**common, function=autograd)
+            elif module_import is not None:
+                patch = ImportPatch(**common, module_name=module_import)
+            else:
+                patch = GraphPatch(**common)
+            self.add(patch)
+            return replacement
+
+        return decorator
+
+    @contextlib.contextmanager
+    def apply(self, model=None, target: Target | None = Target(), only: Iterable[str] | None = None,
+              exclude: Iterable[str] = (), rebind_in: Iterable[str] = ()) -> Iterator[PatchReport]:
+        """Apply the patches `target` needs (all of them when target is None), restricted to `only` and not in
+        `exclude`; undo them all on exit. Yields the report, whose hit counts grow while the scope is open."""
+        only = None if only is None else set(only)
+        exclude = set(exclude)
+        unknown = ((only or set()) | exclude) - set(self._patches)
+        if unknown:
+            raise KeyError(f"unknown patches: {sorted(unknown)}")
+        report = PatchReport(target)
+        scope = _Scope(model, tuple(rebind_in), report)
+        with contextlib.ExitStack() as stack:
+            for patch in list(self._patches.values()):
+                record = PatchRecord(patch.name, patch.kind, patch.replaces, patch.why,
+                                     "; ".join(map(str, patch.when)) or "none (opt-in)")
+                report.records.append(record)
+                if (only is not None and patch.name not in only) or patch.name in exclude:
+                    record.excluded = True
+                elif patch.needed(target):
+                    record.active = True
+                    patch.apply(stack, record, scope)
+            yield report
+        for record in report.records:
+            if record.status == "unused" and not record.note:
+                if record.kind == "graph":
+                    record.note = "matched nothing" if record.sites else "not run"
+                else:
+                    record.note = "never called" if record.sites else "matched nothing"
+
+
+REGISTRY = PatchRegistry()
+register_patch = REGISTRY.register
+apply_patches = REGISTRY.apply

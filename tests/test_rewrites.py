@@ -1,0 +1,329 @@
+"""The operator rewrites: probes of what today's exporter and onnxruntime do (they pin each patch's `when`), and
+parity of each rewrite with the original op in eager mode and through onnxruntime (batch, dynamic axes)."""
+import copy
+import io
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+from d2export.ops import rewrites as ops
+from d2export.patching import REGISTRY, Target, apply_patches
+from d2export.patching.rewrites import shape_gather_to_slice
+
+torch.set_num_threads(1)
+G = torch.Generator().manual_seed(0)
+
+
+def randn(*shape, dtype=torch.float32):
+    return torch.randn(shape, generator=G, dtype=dtype)
+
+
+class Call(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
+
+
+def export(fn, inputs, opset, dynamic=None) -> bytes:
+    names = [f"in{i}" for i in range(len(inputs))]
+    axes = {n: dims for n, dims in zip(names, dynamic)} if dynamic else None
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Call(fn), tuple(inputs), f, opset_version=opset, dynamo=False, input_names=names,
+                          dynamic_axes=axes)
+    return f.getvalue()
+
+
+def run(model: bytes, inputs):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 4
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return session.run(None, {f"in{i}": x.numpy() for i, x in enumerate(inputs)})[0]
+
+
+def reference(fn, inputs):
+    """The original op in eager mode, in float64 where inputs are floating."""
+    wide = [x.double() if x.is_floating_point() else x.clone() for x in inputs]
+    if isinstance(fn, torch.nn.Module):
+        fn = copy.deepcopy(fn).double()
+    with torch.no_grad():
+        return fn(*wide).numpy()
+
+
+def probe(fn, inputs, opset) -> str:
+    """What the unpatched exporter and onnxruntime make of `fn` at `opset`."""
+    try:
+        model = export(fn, inputs, opset)
+    except Exception:  # noqa: BLE001 - any exporter error is the finding
+        return "export-fails"
+    try:
+        out = run(model, inputs)
+    except Exception:  # noqa: BLE001
+        return "ort-fails"
+    ok = out.shape == reference(fn, inputs).shape and np.allclose(out, reference(fn, inputs), atol=1e-4)
+    return "ok" if ok else "wrong"
+
+
+def assign(key_fn, value_fn=None):
+    """x[key] = value on a copy: the in-place forms users write."""
+    def fn(x, v=None):
+        y = x.clone()
+        y[key_fn(y)] = v if value_fn is None else value_fn(v)
+        return y
+    return fn
+
+
+def index_put_acc(x, v):
+    return x.clone().index_put_((torch.tensor([1, 1, -1, 2]),), v, accumulate=True)
+
+
+def index_add(x, v):
+    return x.index_add(1, torch.tensor([0, 3, 0]), v)
+
+
+X3 = randn(5, 4, 3)
+ROW_MASK = assign(lambda y: y[:, 0, 0] > 0, lambda v: v)
+MID_MASK = assign(lambda y: (slice(None), y[0, :, 0] > 0), lambda v: v)
+INDEX_BCAST = assign(lambda y: (torch.tensor([0, 2]), torch.tensor([1, -1])), lambda v: v)
+IMG = randn(2, 3, 10, 13)
+
+# (patch, original op, inputs, opset, what today's exporter + onnxruntime do)
+PROBES = [
+    ("inverse", torch.linalg.inv, [randn(2, 3, 3)], 17, "export-fails"),
+    ("inverse", torch.inverse, [randn(2, 4, 4)], 20, "export-fails"),
+    ("cross", lambda a, b: torch.cross(a, b, dim=1), [randn(2, 3, 4), randn(2, 3, 4)], 11, "ok"),
+    ("linalg-cross", torch.linalg.cross, [randn(2, 5, 3), randn(2, 5, 3)], 20, "ok"),
+    ("any", lambda x: x.any(1), [X3 > 0], 8, "export-fails"),
+    ("any", lambda x: x.any(dim=-1, keepdim=True), [X3 > 0], 9, "ok"),
+    ("all", lambda x: torch.all(x, 1), [X3 > 0], 8, "export-fails"),
+    ("all", lambda x: torch.all(x, (0, 2)), [X3 > 0], 17, "ok"),
+    ("index-assign", ROW_MASK, [X3, torch.tensor(2.0)], 17, "ort-fails"),
+    ("index-assign", MID_MASK, [X3, randn(3)], 11, "ort-fails"),
+    ("index-assign", INDEX_BCAST, [X3, randn(3)], 20, "ort-fails"),
+    ("index-put-accumulate_", index_put_acc, [X3, randn(4, 4, 3)], 17, "wrong"),
+    ("index-add", index_add, [X3, randn(5, 3, 3)], 20, "wrong"),
+    ("adaptive-avg-pool2d", lambda x: F.adaptive_avg_pool2d(x, (3, 4)), [IMG], 17, "export-fails"),
+    ("adaptive-max-pool2d", lambda x: F.adaptive_max_pool2d(x, (3, 4)), [IMG], 11, "export-fails"),
+    ("interpolate-bilinear", lambda x: F.interpolate(x, (7, 9), mode="bilinear", align_corners=True), [IMG], 10,
+     "export-fails"),
+    ("interpolate-bilinear", lambda x: F.interpolate(x, (7, 9), mode="bilinear"), [IMG], 10, "wrong"),
+    ("interpolate-bilinear", lambda x: F.interpolate(x, (7, 9), mode="bilinear", align_corners=True), [IMG], 11,
+     "ok"),
+    ("group-norm", torch.nn.GroupNorm(3, 6), [randn(2, 6, 5, 7)], 9, "ok"),
+    ("group-norm", lambda x: F.group_norm(x, 2), [randn(2, 6, 5, 7)], 21, "ok"),
+    ("grid-sample", lambda x, g: F.grid_sample(x, g, align_corners=False), [IMG, randn(2, 4, 5, 2)], 15,
+     "export-fails"),
+    ("grid-sample", lambda x, g: F.grid_sample(x, g, align_corners=False), [IMG, randn(2, 4, 5, 2)], 16, "ok"),
+]
+
+
+@pytest.mark.parametrize("name, fn, inputs, opset, expected", PROBES,
+                         ids=[f"{p[0]}-opset{p[3]}-{p[4]}" for p in PROBES])
+def test_probe_pins_target(name, fn, inputs, opset, expected):
+    """If torch or onnxruntime change, this fails: update the patch's `when` in d2export/patching/rewrites.py."""
+    assert probe(fn, inputs, opset) == expected
+    # Adaptive pools are needed at every opset (dynamic H, W fail even when sizes divide); for onnxruntime, the
+    # registry applies a patch exactly where the probe found the original broken.
+    assert REGISTRY[name].needed(Target(opset=opset)) == (expected != "ok")
+
+
+def test_adaptive_pool_fails_with_dynamic_input_even_when_dividing():
+    with pytest.raises(Exception, match="adaptive_avg_pool2d"):
+        export(lambda x: F.adaptive_avg_pool2d(x, (5, 13)), [IMG], 17, dynamic=[[2, 3]])
+
+
+# ----------------------------------------------------------------------------------------------- eager parity
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7])
+def test_inverse_matches_float64(n):
+    a = randn(3, 2, n, n, dtype=torch.float64) + n * torch.eye(n, dtype=torch.float64)
+    np.testing.assert_allclose(ops.inverse(a.float()).numpy(), torch.linalg.inv(a).numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_inverse_pivots():
+    a = randn(4, 6, 6, dtype=torch.float64)
+    a[:, 0, 0] = 0  # no pivot in place: elimination without row swaps divides by zero
+    a[:, 2, 2] = 1e-12
+    np.testing.assert_allclose(ops.inverse(a).numpy(), torch.linalg.inv(a).numpy(), rtol=1e-8, atol=1e-8)
+
+
+def test_cross_any_dim_and_broadcast():
+    a, b = randn(2, 3, 5, dtype=torch.float64), randn(3, 1, dtype=torch.float64)
+    expected = torch.linalg.cross(a, b.expand(2, 3, 5), dim=1)
+    np.testing.assert_allclose(ops.cross(a, b, dim=1).numpy(), expected.numpy(), atol=1e-12)
+    np.testing.assert_allclose(ops.cross(a.mT, b.mT, dim=-1).numpy(), expected.mT.numpy(), atol=1e-12)
+
+
+@pytest.mark.parametrize("dim, keepdim", [(None, False), (1, False), (-1, True), ((0, 2), False)])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32, torch.uint8])
+def test_any_all(dim, keepdim, dtype):
+    x = ((randn(3, 4, 5) > 0.7) * randn(3, 4, 5)).to(dtype)
+    x[0] = 1
+    for mine, theirs in ((ops.reduce_any, torch.any), (ops.reduce_all, torch.all)):
+        expected = theirs(x) if dim is None else theirs(x, dim, keepdim=keepdim)
+        got = mine(x, dim, keepdim)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+SETITEM_CASES = [
+    ("row mask, 0-d value", lambda x: x[:, 0, 0] > 0, torch.tensor(2.0)),
+    ("mid mask, row value", lambda x: (slice(None), x[0, :, 0] > 0), randn(3)),
+    ("2-d mask, broadcast value", lambda x: x[:, :, 0] > 0, randn(1, 3)),
+    ("ellipsis mask, scalar", lambda x: (Ellipsis, x[0, 0] > 0), 3.0),
+    ("index, broadcast value", lambda x: torch.tensor([0, -1]), randn(3)),
+    ("two indices, broadcast value", lambda x: (torch.tensor([0, 2]), torch.tensor([1, 3])), randn(3)),
+    ("slice then index", lambda x: (slice(None), torch.tensor([1, 3])), randn(1, 3)),
+]
+
+
+@pytest.mark.parametrize("case, key_fn, value", SETITEM_CASES, ids=[c[0] for c in SETITEM_CASES])
+def test_setitem_matches_eager(case, key_fn, value):
+    x = randn(5, 4, 3)
+    expected = x.clone()
+    torch._C.TensorBase.__setitem__(expected, key_fn(x), value)
+    got = x.clone()
+    assert ops.setitem(got, key_fn(x), value)
+    assert torch.equal(got, expected)
+
+
+def test_setitem_declines_what_it_does_not_rewrite():
+    x = randn(5, 4)
+    mask = x > 0
+    for key, value in [(mask, randn(int(mask.sum()))), (1, 0.0), (slice(1, 3), 0.0), ((0, slice(None)), 1.0)]:
+        y = x.clone()
+        assert not ops.setitem(y, key, value) and torch.equal(y, x)
+
+
+def test_accumulate_sums_repeats():
+    x, v = randn(5, 4, 3, dtype=torch.float64), randn(4, 4, 3, dtype=torch.float64)
+    idx = torch.tensor([1, 1, -1, 1])
+    expected = x.clone()
+    for i, row in zip(idx.tolist(), v):  # an explicit loop: the meaning of accumulate, no index_put involved
+        expected[i] += row
+    np.testing.assert_allclose(ops.index_accumulate(x, (idx,), v).numpy(), expected.numpy(), atol=1e-12)
+    two = (torch.tensor([0, 0, 4]), torch.tensor([2, 2, 3]))
+    w = randn(3, 3, dtype=torch.float64)
+    expected = x.clone()
+    for i, j, row in zip(*two, w):
+        expected[i, j] += row
+    np.testing.assert_allclose(ops.index_accumulate(x, two, w).numpy(), expected.numpy(), atol=1e-12)
+
+
+@pytest.mark.parametrize("size", [(3, 4), (5, 13), (7, None), 6, (1, 3), (10, 13)])
+def test_adaptive_pools_match(size):
+    x = randn(2, 3, 10, 13, dtype=torch.float64)
+    np.testing.assert_allclose(ops.adaptive_avg_pool2d(x, size).numpy(), F.adaptive_avg_pool2d(x, size).numpy(),
+                               atol=1e-12)
+    np.testing.assert_array_equal(ops.adaptive_max_pool2d(x, size).numpy(), F.adaptive_max_pool2d(x, size).numpy())
+
+
+@pytest.mark.parametrize("align_corners", [True, False])
+@pytest.mark.parametrize("kw", [dict(size=(7, 9)), dict(size=(23, 31)), dict(scale_factor=2),
+                                dict(scale_factor=(0.5, 1.7)), dict(scale_factor=1.3, recompute_scale_factor=True)])
+def test_interpolate_bilinear_matches(kw, align_corners):
+    x = randn(2, 3, 10, 13, dtype=torch.float64)
+    expected = F.interpolate(x, mode="bilinear", align_corners=align_corners, **kw)
+    got = ops.interpolate_bilinear(x.float(), align_corners=align_corners, **kw)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=5e-6)
+
+
+def test_group_norm_matches():
+    x, w, b = randn(2, 6, 5, 7, dtype=torch.float64), randn(6, dtype=torch.float64), randn(6, dtype=torch.float64)
+    np.testing.assert_allclose(ops.group_norm(x, 3, w, b).numpy(), F.group_norm(x, 3, w, b).numpy(), atol=1e-10)
+    np.testing.assert_allclose(ops.group_norm(x[..., 0], 2).numpy(), F.group_norm(x[..., 0], 2).numpy(), atol=1e-10)
+
+
+# ------------------------------------------------------------------------- through onnxruntime, patches applied
+def _sizes(inputs, dims, delta):
+    """The same inputs with each dynamic dim grown by `delta` (fresh random values)."""
+    out = []
+    for x, ds in zip(inputs, dims):
+        shape = [s + delta if i in ds else s for i, s in enumerate(x.shape)]
+        out.append(randn(*shape) if x.is_floating_point() else x)
+    return out
+
+
+ORT_CASES = [
+    # patch, op as users write it, inputs, dynamic dims per input, opset
+    # Call sites look the name up when they run (torch.linalg.inv(a)): a reference taken before the scope is not
+    # patched unless its module is listed in apply_patches(rebind_in=...).
+    ("inverse", lambda a: torch.linalg.inv(a), [randn(3, 4, 4) + 4 * torch.eye(4)], [[0]], 11),
+    ("inverse", lambda a: a.inverse(), [randn(2, 3, 3) + 3 * torch.eye(3)], [[0]], 17),
+    ("inverse", lambda a: torch.inverse(a), [randn(2, 6, 6) + 6 * torch.eye(6)], [[0]], 17),
+    ("cross", lambda a, b: a.cross(b, dim=1), [randn(2, 3, 4), randn(2, 3, 4)], [[0, 2], [0, 2]], 11),
+    ("linalg-cross", lambda a, b: torch.linalg.cross(a, b), [randn(2, 5, 3), randn(2, 5, 3)], [[0, 1], [0, 1]], 11),
+    ("any", lambda x: (x > 0).any(1), [X3], [[0, 2]], 8),
+    ("all", lambda x: torch.all(x > -1, -1, keepdim=True), [X3], [[0, 1]], 8),
+    ("index-assign", ROW_MASK, [X3, torch.tensor(2.0)], [[0, 1], []], 17),
+    ("index-assign", MID_MASK, [X3, randn(3)], [[0, 2], [0]], 11),
+    ("index-assign", INDEX_BCAST, [X3, randn(3)], [[0, 1, 2], [0]], 20),
+    ("index-put-accumulate_", index_put_acc, [X3, randn(4, 4, 3)], [[0], []], 17),
+    ("index-add", index_add, [X3, randn(5, 3, 3)], [[0, 1], [0]], 16),
+    ("index-add", lambda x, v: x.index_add(0, torch.tensor([4, 4]), v, alpha=0.5), [X3, randn(2, 4, 3)],
+     [[1, 2], [1, 2]], 11),
+    ("adaptive-avg-pool2d", lambda x: F.adaptive_avg_pool2d(x, (3, 4)), [IMG], [[0, 2, 3]], 17),
+    ("adaptive-avg-pool2d", torch.nn.AdaptiveAvgPool2d((5, None)), [IMG], [[0, 2, 3]], 11),
+    ("adaptive-max-pool2d", torch.nn.AdaptiveMaxPool2d((3, 4)), [IMG], [[0, 2, 3]], 17),
+    ("interpolate-bilinear", lambda x: F.interpolate(x, (7, 9), mode="bilinear", align_corners=True), [IMG], [[0]],
+     10),
+    ("interpolate-bilinear", lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), [IMG], [[0]], 9),
+    ("interpolate-bilinear", lambda x: F.interpolate(x, (7, 9), mode="bilinear", align_corners=True), [IMG],
+     [[0, 2, 3]], 11),
+    ("group-norm", torch.nn.GroupNorm(3, 6), [randn(2, 6, 5, 7)], [[0, 2, 3]], 17),
+    ("grid-sample", lambda x, g: F.grid_sample(x, g * 1.2, align_corners=False), [IMG, randn(2, 4, 5, 2)],
+     [[0, 2, 3], [0, 1, 2]], 11),
+    ("grid-sample", lambda x, g: F.grid_sample(x, g * 1.2, padding_mode="border", align_corners=True),
+     [IMG, randn(2, 4, 5, 2)], [[0, 2, 3], [0, 1, 2]], 13),
+]
+
+
+@pytest.mark.parametrize("name, fn, inputs, dims, opset", ORT_CASES,
+                         ids=[f"{c[0]}-opset{c[4]}-{i}" for i, c in enumerate(ORT_CASES)])
+def test_rewrite_exports_and_matches_in_onnxruntime(name, fn, inputs, dims, opset):
+    with apply_patches(target=None, only=[name]) as report:
+        model = export(fn, inputs, opset, dynamic=dims)
+    assert report[name].hits > 0, report
+    # Another size where the axes are dynamic (with the static ones, the export's own size).
+    for case in (inputs, _sizes(inputs, dims, 1) if any(dims) else inputs):
+        expected = reference(fn, case)
+        got = run(model, case)
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got.astype(np.float64), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_registry_applies_patches_only_where_needed():
+    """Exported for opset 17 / onnxruntime, torch.linalg.inv gets the rewrite and F.interpolate keeps Resize."""
+    fn = lambda a, x: (torch.linalg.inv(a), F.interpolate(x, (7, 9), mode="bilinear", align_corners=True))  # noqa
+    inputs = [randn(2, 3, 3) + 3 * torch.eye(3), IMG]
+    with apply_patches(target=Target(opset=17)) as report:
+        model = onnx.load_from_string(export(fn, inputs, 17))
+    ops_used = {n.op_type for n in model.graph.node}
+    assert "Resize" in ops_used
+    assert report["inverse"].status == "applied" and report["interpolate-bilinear"].status == "not-needed"
+    assert report["adaptive-avg-pool2d"].status == "unused"
+
+
+# ------------------------------------------------------------------------------------------ graph: shape gather
+@pytest.mark.parametrize("opset", [11, 17])
+def test_shape_gather_becomes_slice(opset):
+    def fn(x):
+        n, c, h, w = x.shape
+        return x.reshape(n, c, h * w) * x.size(-1)
+
+    x = randn(2, 3, 4, 5)
+    model = onnx.load_from_string(export(fn, [x], opset, dynamic=[[0, 2, 3]]))
+    gathers = sum(n.op_type == "Gather" for n in model.graph.node)
+    assert gathers >= 4
+    assert shape_gather_to_slice(model) == gathers
+    assert not any(n.op_type == "Gather" for n in model.graph.node)
+    for case in (x, randn(3, 3, 6, 2)):
+        np.testing.assert_allclose(run(model.SerializeToString(), [case]), fn(case).numpy(), rtol=1e-6)
