@@ -107,9 +107,10 @@ def export_main(argv: list[str] | None = None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from d2export import runtime
+    from d2export.diagnose import diagnose_main
 
     commands = {"export": export_main, "infer": runtime.infer_main, "serve": runtime.serve_main,
-                "triton-repo": runtime.triton_main}
+                "triton-repo": runtime.triton_main, "diagnose": diagnose_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: d2export {" + ",".join(commands) + "} …", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -117,7 +117,7 @@ def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
         log.info("patches:\n%s", report)
         if lint is not None:
             log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
-        verification = _verify(cfg, staged, adapter.output_names, cases) if cases else {"passed": None}
+        verification = _verify(cfg, staged, adapter.output_names, cases, built) if cases else {"passed": None}
         os.replace(staged, final)
     except BaseException:
         staged.unlink(missing_ok=True)
@@ -166,7 +166,7 @@ def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
     return report
 
 
-def _verify(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
+def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
     import onnxruntime as ort
 
     _step(5, "verifying with onnxruntime", f"{len(cases)} cases")
@@ -174,8 +174,38 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
     results = verify_mod.run_cases(session, output_names, cases, cfg.verify.atol, cfg.verify.rtol,
                                    cfg.verify.max_mismatch)
     log.info("verification:\n%s", verify_mod.format_table(results))
-    verify_mod.check(results)
-    return verify_mod.summarise(results) | {"atol": cfg.verify.atol, "rtol": cfg.verify.rtol}
+    summary = verify_mod.summarise(results) | {"atol": cfg.verify.atol, "rtol": cfg.verify.rtol}
+    if cfg.verify.ladder or not summary["passed"]:
+        summary["ladder"] = _ladder(built)
+    try:
+        verify_mod.check(results)
+    except verify_mod.VerificationError as e:
+        culprit = summary["ladder"]["culprit"]
+        if culprit is None:
+            raise
+        raise verify_mod.VerificationError(f"{e}\nthe parity ladder's first diverging module: {culprit['module']} at "
+                                           f"{culprit['case']}, forward at {culprit['source']}") from None
+    return summary
+
+
+def ladder(built: Built, sizes: Sequence[Sequence[int]] | None = None):
+    """The parity ladder (docs/ladder.md) for a prepared model: its export settings and scope, the export's dummy
+    input first, then one image per size (the verification sizes by default). Call it with no export scope open:
+    it opens its own around a throwaway export."""
+    from d2export.exporting.ladder import run_ladder
+
+    cfg = built.cfg
+    sizes = [tuple(s) for s in (sizes or verification_sizes(cfg))]
+    cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
+    return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
+                      dummy_images(cfg.export.dummy_sizes, cfg.model.seed), cases, atol=cfg.verify.atol,
+                      rtol=cfg.verify.rtol, max_mismatch=cfg.verify.max_mismatch, providers=cfg.verify.providers)
+
+
+def _ladder(built: Built) -> dict:
+    report = ladder(built)
+    log.log(logging.WARNING if report.culprit() else logging.INFO, "parity ladder:\n%s", report.format())
+    return report.to_dict()
 
 
 def _specs(values) -> list[TensorSpec]:

@@ -142,3 +142,12 @@ def test_bad_input_gives_one_line_error_and_no_output(tmp_path, case):
 def test_bad_config_name_is_one_line(tmp_path):
     r = export_cli("--config", "no_such_config_x")
     assert r.returncode != 0 and "no config 'no_such_config_x'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_full_size_default_config_exports_and_verifies(tmp_path):
+    """The default job as `make export` runs it (TotalText polygon R50, 100 queries), lint left to the tiny tests."""
+    manifest = pipeline.export(load("textdet", [f"export.output_dir={tmp_path}", "export.lint=false"]))
+    assert manifest.verification["passed"] is True
+    assert manifest.outputs[2].shape == ["batch", 100, 16, 2]
+    assert {p["name"]: p["sites"] for p in manifest.patches}["msda-core"] == 18  # 6 encoder + 2 x 6 decoder
+    assert (tmp_path / "model.onnx").stat().st_size > 150e6

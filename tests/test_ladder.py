@@ -1,0 +1,251 @@
+"""The parity ladder: planted faults in the exported graph only are named at the module that holds them; a clean
+export shows no divergence at several sizes; the production export is unaffected by a ladder run."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from d2export.exporting import ladder
+from d2export.exporting.ladder import compare, default_rungs, flatten_tensors, module_of_node, run_ladder
+from d2export.tracing import dummy_images
+
+SETTINGS = SimpleNamespace(exporter="torchscript", opset=17, dynamic=True)
+THIS_FILE = str(Path(__file__).resolve())
+
+
+@contextlib.contextmanager
+def override_forward(module: nn.Module, make):
+    """Within the block `module.forward` is `make(original_forward)`: a fault planted in the export scope only."""
+    own = module.__dict__.get("forward")  # an instance-level forward already there (the MSDA swap)
+    module.forward = make(module.forward)
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own
+
+
+def combined(*scopes):
+    @contextlib.contextmanager
+    def scope():
+        with contextlib.ExitStack() as stack:
+            for s in scopes:
+                stack.enter_context(s())
+            yield
+
+    return scope
+
+
+# ---------------------------------------------------------------------------------------------- a toy "detector"
+class Toy(nn.Module):
+    """Graph inputs like the text spotter's; one stem, a head shared by three feature levels."""
+
+    family = "toy"
+    input_names = ("images", "image_sizes")
+    output_names = ("out",)
+    dynamic_axes = {"images": {0: "batch", 2: "height", 3: "width"}, "image_sizes": {0: "batch"}, "out": {0: "batch"}}
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.down = nn.ModuleList([nn.Conv2d(8, 8, 3, stride=2, padding=1) for _ in range(2)])
+        self.head = nn.Sequential(nn.Conv2d(8, 4, 1), nn.ReLU())
+
+    def forward(self, images, image_sizes):
+        x = self.stem(images.float() / 255)
+        levels = [x, self.down[0](x), self.down[1](self.down[0](x))]
+        return torch.cat([self.head(f).mean((2, 3)) for f in levels], 1)
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_shared_head_fault_is_named_by_call_order(exporter):
+    toy = Toy().eval()
+    settings = SimpleNamespace(exporter=exporter, opset=18, dynamic=True)
+
+    def second_call_off(original):
+        calls = iter(range(100))  # three calls per forward: the probe's, the trace's, …
+        return lambda x: original(x) + (0.05 if next(calls) % 3 == 1 else 0.0)
+
+    report = run_ladder(toy, settings, lambda: override_forward(toy.head, second_call_off),
+                        dummy_images([(40, 56)]), {"56x40": dummy_images([(56, 40)], 5)})
+    for case in report.cases:
+        head_rows = [r for r in case.rows if r.module == "head"]
+        assert [r.call for r in head_rows] == [0, 1, 2]
+        assert [r.ok for r in head_rows] == [True, False, True]  # the third call has no fault planted
+        assert case.first.module == "head" and case.first.call == 1
+        assert 0.04 < case.first.max_abs < 0.06
+        assert all(r.ok for r in case.rows[:case.rows.index(case.first)])
+    culprit = report.culprit()
+    assert (culprit.module, culprit.call) == ("head", 1)
+    assert culprit.source.startswith(THIS_FILE)  # the forward that was traced: the planted one
+    assert not culprit.new_at_size  # wrong at the export input already
+
+
+def test_clean_toy_has_no_divergence_and_leaves_no_hooks():
+    toy = Toy().eval()
+    report = run_ladder(toy, SETTINGS, ladder.no_scope, dummy_images([(40, 56)]),
+                        {"33x71": dummy_images([(33, 71)], 1), "batch": dummy_images([(40, 56), (24, 30)], 2)})
+    assert report.culprit() is None and len(report.cases) == 3
+    modules = {r.module for r in report.cases[0].rows}
+    assert modules == {"", "stem", "down.0", "down.1", "head", "head.0", "head.1"}
+    assert all(not m._forward_hooks for m in toy.modules())
+    assert "no module diverges" in report.format()
+
+
+def test_default_rungs_pick_stages_layers_and_lists():
+    toy = Toy()
+    assert default_rungs(toy, depth=1) == ["", "stem", "down.0", "down.1", "head"]
+    assert "head.0" in default_rungs(toy, depth=2)
+
+
+def test_compare_finds_the_first_bad_element():
+    e = np.zeros((2, 3, 4), np.float32)
+    a = e.copy()
+    a[1, 2, 0] = 0.5
+    a[1, 2, 3] = 0.7
+    max_abs, _, first, ok = compare(e, a, 1e-3, 1e-3)
+    assert (max_abs, first, ok) == (pytest.approx(0.7), [1, 2, 0], False)
+    big = np.full((3,), 1e4, np.float32)
+    assert compare(big, big + 5, 1e-3, 1e-3)[3] is True  # within rtol of a large value
+    inf = np.array([np.inf, -np.inf, np.nan, 1.0])
+    assert compare(inf, inf.copy(), 1e-3, 1e-3)[:2] == (0.0, 0.0)
+    assert compare(inf, np.array([np.inf, 5.0, np.nan, 1.0]), 1e-3, 1e-3)[2] == [1]
+    assert compare(e, e[:1], 1e-3, 1e-3)[3] is False
+    ids = np.arange(2000)
+    flipped = ids.copy()
+    flipped[7] = 0
+    assert compare(ids, flipped, 0, 0, max_mismatch=1e-3)[3] is True
+    assert compare(ids, flipped, 0, 0, max_mismatch=0.0)[3] is False
+
+
+def test_flatten_and_node_names():
+    t = torch.ones(1)
+    nested = (t, {"a": [t, None, 3]}, SimpleNamespace(tensors=t, mask=t, name="x"))
+    assert [w for w, _ in flatten_tensors(nested)] == ["[0]", "[1]['a'][0]", "[2].tensors", "[2].mask"]
+    msg = "[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code returned while running Reshape node. " \
+          "Name:'/adapter/head/head.0/Reshape_2' Status Message: cannot reshape"
+    assert module_of_node(msg) == "adapter.head.head.0"
+    toy = Toy()
+    toy.alias = toy.head  # scope names follow the attribute a module was called through
+    assert module_of_node(msg.replace("/head/head.0/", "/alias/0/"), toy) == "head.0"
+    assert module_of_node(msg.replace("/head/head.0/", "/down.1/"), toy) == "down.1"
+    assert module_of_node("Name:'node_Add_12'") is None
+
+
+# ---------------------------------------------------------------------------------- the TESTR-architecture model
+@pytest.fixture(scope="module")
+def tiny():
+    from d2export import pipeline
+    from d2export.config import load
+
+    return pipeline.prepare(load("textdet_tiny", ["export.output_dir=unused"]))
+
+
+def scope_of(built, *extra):
+    from d2export import pipeline
+
+    return combined(lambda: pipeline.export_scope(built), *extra)
+
+
+def test_clean_export_has_no_divergence_at_several_sizes(tiny):
+    from d2export.pipeline import ladder as ladder_for
+
+    report = ladder_for(tiny, [(160, 224), (224, 160), (128, 288), (173, 217)])
+    assert report.culprit() is None, report.format()
+    rows = report.cases[1].rows
+    assert len(report.cases) == 5 and all(c.rows and not c.error for c in report.cases)
+    modules = [r.module for r in rows]
+    for path in ("model.testr.backbone.0.backbone.res3", "model.testr.input_proj.3",
+                 "model.testr.transformer.encoder.layers.0", "model.testr.transformer.encoder.layers.0.self_attn",
+                 "model.testr.transformer.decoder.layers.0.attn_cross_text", "model.testr.text_class", ""):
+        assert path in modules, path
+    # completion order: an attention finishes before its layer, the layer before the encoder
+    assert modules.index("model.testr.transformer.encoder.layers.0.self_attn") < modules.index(
+        "model.testr.transformer.encoder.layers.0") < modules.index("model.testr.transformer.encoder")
+    assert max(r.max_abs for r in rows) > 0  # the two sides are computed independently
+
+
+def test_perturbed_attention_in_the_graph_only_is_named_first(tiny):
+    attn = tiny.model.get_submodule("testr.transformer.decoder.layers.0.attn_cross_text")
+    sizes = dummy_images([(160, 224)])
+    perturb = lambda original: lambda *a, **k: original(*a, **k) + 0.02  # noqa: E731
+    report = run_ladder(tiny.adapter, tiny.cfg.export, scope_of(tiny, lambda: override_forward(attn, perturb)),
+                        sizes, {"128x288": dummy_images([(128, 288)], 3)})
+    for case in report.cases:
+        assert case.first.module == "model.testr.transformer.decoder.layers.0.attn_cross_text", report.format()
+        assert case.first.max_abs == pytest.approx(0.02, rel=0.05)
+        before = case.rows[:case.rows.index(case.first)]
+        assert "model.testr.transformer.decoder.layers.0.attn_cross" in {r.module for r in before}
+        assert all(r.ok for r in before)
+    culprit = report.culprit()
+    assert culprit.source.startswith(THIS_FILE)  # the planted forward …
+    assert culprit.model_source.endswith(tuple(f"msda_swap.py:{i}" for i in range(200)))  # … not the model's own
+
+
+def baked_layout(original):
+    """Value-preserving at the traced size, but the traced view bakes that size's height and width in: at a size
+    with the same number of cells laid out otherwise it silently scrambles the map; at any other it fails."""
+
+    def forward(x):
+        y = original(x)
+        n, c = y.shape[:2]
+        h, w = int(y.shape[2]), int(y.shape[3])  # Python ints: constants in the trace (TracerWarnings)
+        z = y.transpose(2, 3).contiguous().view(n, c, w, h).transpose(2, 3)
+        return z.reshape(y.shape)
+
+    return forward
+
+
+def test_baked_shape_is_found_at_another_size_not_at_the_export_size(tiny):
+    proj = tiny.model.get_submodule("testr.input_proj.1")
+    report = run_ladder(tiny.adapter, tiny.cfg.export, scope_of(tiny, lambda: override_forward(proj, baked_layout)),
+                        dummy_images([(160, 224)]), {"224x160": dummy_images([(224, 160)], 3),
+                                                     "192x224": dummy_images([(192, 224)], 4)})
+    at_export, transposed, other = report.cases
+    assert not at_export.diverged, report.format()
+    assert transposed.first.module == "model.testr.input_proj.1", report.format()
+    assert all(r.ok for r in transposed.rows[:transposed.rows.index(transposed.first)])
+    assert other.error and other.error_module == "model.testr.input_proj.1", other.error
+    culprits = report.culprits()
+    assert [c.case for c in culprits] == ["224x160", "192x224"]
+    assert [c.failed for c in culprits] == [False, True]
+    assert all(c.new_at_size and c.module == "model.testr.input_proj.1" for c in culprits)
+    assert any(w.startswith(THIS_FILE) for w in culprits[0].tracer_warnings), culprits[0].tracer_warnings
+    text = report.format()
+    assert "baked" in text and "model.testr.input_proj.1" in text
+
+
+def test_production_export_is_byte_identical_with_and_without_a_ladder_run(tiny_export, tmp_path):
+    from d2export import pipeline
+    from d2export.config import load
+    from d2export.pipeline import ladder as ladder_for
+
+    cfg, manifest, model_path = tiny_export
+    before = model_path.read_bytes()
+    listing = sorted(p.name for p in model_path.parent.iterdir())
+    built = pipeline.prepare(cfg)
+    assert ladder_for(built, [(224, 160)]).culprit() is None
+    assert all(not m._forward_hooks for m in built.adapter.modules())
+    assert sorted(p.name for p in model_path.parent.iterdir()) == listing  # the ladder wrote nothing there
+    again = pipeline.export(load("textdet_tiny", [f"export.output_dir={tmp_path}", "export.lint=false",
+                                                  "verify.enabled=false"]))  # neither touches the file
+    assert (tmp_path / again.model_file).read_bytes() == before
+
+
+def test_diagnose_command_on_a_plain_rcnn(capsys):
+    from d2export.cli import main
+
+    assert main(["diagnose", "--config", "rcnn", "--sizes", "256x320", "export.lint=false"]) == 0
+    out = capsys.readouterr().out
+    assert "no module diverges" in out
+    for path in ("model.backbone.bottom_up.res4", "model.proposal_generator", "model.roi_heads.box_predictor"):
+        assert path in out, path
