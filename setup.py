@@ -46,7 +46,7 @@ setup(
     ],
     extras_require={
         "gpu": ["onnxruntime-gpu>=1.17"],
-        "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6"],
+        "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6", "tqdm>=4"],
         "slim": ["onnxslim>=0.1.30"],
         "dev": ["pytest>=7", "psutil>=5", "httpx>=0.24"],
     },

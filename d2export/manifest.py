@@ -77,6 +77,13 @@ def sha256_file(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def readable_by_all(path: str | os.PathLike) -> None:
+    """mkstemp makes files 0600; a model is for serving (Triton may run as another user): 0644 less the umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o644 & ~umask)
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """Write to a temporary file beside `path`, then rename: readers never see half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +91,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        readable_by_all(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -7,6 +7,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SUBCOMMANDS = {  # subcommand -> "module:function"
     "msda": "benchmarks.msda:main",
+    "e2e": "benchmarks.e2e:main",
+    "serve": "benchmarks.serve:main",
 }
 
 

@@ -16,6 +16,8 @@ from typing import Sequence
 import onnx
 import torch
 
+from d2export.manifest import readable_by_all
+
 log = logging.getLogger(__name__)
 
 EXPORTERS = ("torchscript", "dynamo")
@@ -70,6 +72,7 @@ def export_onnx(
         if simplify:
             model = _slim(model)
             onnx.save(model, str(tmp))
+        readable_by_all(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

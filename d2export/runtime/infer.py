@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from d2export.runtime.images import IMAGE_SUFFIXES, BadImage, read_image
+from d2export.runtime.predictor import ProviderUnavailable, add_predictor_arguments, predictor_from_args
 
 
 def image_files(paths: Iterable[str]) -> list[Path]:
@@ -47,20 +48,15 @@ def _unique(stem: str, used: set[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="d2export infer", description=__doc__.split("\n")[0])
-    ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
+    add_predictor_arguments(ap)
     ap.add_argument("inputs", nargs="+", help="image files and/or folders")
     ap.add_argument("-o", "--output", default="-", help="JSON lines file (default: stdout)")
     ap.add_argument("--vis", default=None, metavar="DIR", help="write <DIR>/<name>.png with polygons and text")
-    ap.add_argument("--providers", default="cpu", help="comma-separated: cpu, cuda, tensorrt (in priority order)")
-    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
-    ap.add_argument("--score-threshold", type=float, default=None, help="default: the manifest's")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    from d2export.runtime.predictor import Predictor, ProviderUnavailable
-
     try:
         files = image_files(args.inputs)
-        predictor = Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold)
+        predictor = predictor_from_args(args)
     except (OSError, ValueError, ProviderUnavailable) as e:
         print(f"d2export infer: error: {e}", file=sys.stderr)
         return 2

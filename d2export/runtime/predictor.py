@@ -90,9 +90,11 @@ def bezier_polygon(ctrl: np.ndarray, samples: int = 10) -> np.ndarray:
 
 class Predictor:
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
-                 score_threshold: float | None = None, provider_options: Sequence[dict] | None = None):
-        """`threads`: onnxruntime's intra-op threads (0: its default, one per core). `score_threshold` overrides
-        the manifest's. The manifest (`model.manifest.json` beside the model) says everything else."""
+                 score_threshold: float | None = None, provider_options: Sequence[dict] | None = None,
+                 min_size: int | None = None, max_size: int | None = None):
+        """`threads`: onnxruntime's intra-op threads (0: its default, one per core). `score_threshold`, `min_size`
+        and `max_size` override the manifest's (as INPUT.MIN_SIZE_TEST/MAX_SIZE_TEST would: the graph takes any
+        size). The manifest (`model.manifest.json` beside the model) says everything else."""
         import onnxruntime as ort
 
         self.model_path = Path(model_path)
@@ -104,7 +106,8 @@ class Predictor:
         self.input_format = pre.get("input_format", "BGR")
         if self.input_format not in PIXEL_FORMATS:
             raise ValueError(f"model pixel format {self.input_format!r} is not supported ({PIXEL_FORMATS})")
-        self.min_size, self.max_size = int(pre.get("min_size_test", 0)), int(pre.get("max_size_test", 0))
+        self.min_size = int(pre.get("min_size_test", 0) if min_size is None else min_size)
+        self.max_size = int(pre.get("max_size_test", 0) if max_size is None else max_size)
         self.score_threshold = float(post.get("score_threshold", 0.0) if score_threshold is None else score_threshold)
         self.chars = list(post.get("charset", ""))
         self.use_polygon = bool(post.get("use_polygon", True))
@@ -179,7 +182,7 @@ class Predictor:
 
     def predict_batch(self, images: Sequence[np.ndarray], format: str = "RGB",
                       score_threshold: float | None = None) -> list[Prediction]:
-        """Several pictures, one session run (mixed sizes are padded; the graph masks the padding)."""
+        """Several pictures, one session run: mixed sizes are zero-padded to a common size, as detectron2 batches."""
         return self.predict_prepared([self.prepare(im, format) for im in images], [score_threshold] * len(images))
 
     def predict(self, image: np.ndarray, format: str = "RGB", score_threshold: float | None = None) -> Prediction:
@@ -192,5 +195,21 @@ class Predictor:
         return {"model": self.model_path.name, "family": m.family, "sha256": m.sha256, "opset": m.opset,
                 "exporter": m.exporter, "sampler": m.sampler, "providers": self.providers,
                 "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],
-                "preprocess": m.preprocess, "postprocess": m.postprocess | {"score_threshold": self.score_threshold},
+                "preprocess": m.preprocess | {"min_size_test": self.min_size, "max_size_test": self.max_size},
+                "postprocess": m.postprocess | {"score_threshold": self.score_threshold},
                 "versions": m.versions}
+
+
+def add_predictor_arguments(ap) -> None:
+    """The command-line options every serving command shares (argparse)."""
+    ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
+    ap.add_argument("--providers", default="cpu", help="comma-separated: cpu, cuda, tensorrt (in priority order)")
+    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
+    ap.add_argument("--score-threshold", type=float, default=None, help="default: the manifest's")
+    ap.add_argument("--min-size", type=int, default=None, help="shortest edge to resize to (default: the manifest's)")
+    ap.add_argument("--max-size", type=int, default=None, help="longest edge cap (default: the manifest's)")
+
+
+def predictor_from_args(args) -> Predictor:
+    return Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold,
+                     min_size=args.min_size, max_size=args.max_size)

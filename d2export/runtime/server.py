@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from d2export.runtime.images import MAX_PIXELS, BadImage, ImageTooLarge, decode_image
-from d2export.runtime.predictor import Prediction, Predictor, Prepared
+from d2export.runtime.predictor import (Prediction, Predictor, Prepared, ProviderUnavailable,
+                                        add_predictor_arguments, predictor_from_args)
 
 MAX_BYTES = 32 << 20
 
@@ -181,12 +182,9 @@ def serving(app, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="d2export serve", description="Serve an exported model over HTTP.")
-    ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--providers", default="cpu", help="comma-separated: cpu, cuda, tensorrt (in priority order)")
-    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
-    ap.add_argument("--score-threshold", type=float, default=None, help="default: the manifest's")
+    add_predictor_arguments(ap)
     ap.add_argument("--max-batch", type=int, default=1, help="batch concurrent requests up to this many")
     ap.add_argument("--batch-timeout-ms", type=float, default=5.0, help="how long a request waits for company")
     ap.add_argument("--max-bytes", type=int, default=MAX_BYTES, help="largest request body accepted")
@@ -194,10 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import uvicorn
 
-    from d2export.runtime.predictor import ProviderUnavailable
-
     try:
-        predictor = Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold)
+        predictor = predictor_from_args(args)
     except (OSError, ValueError, ProviderUnavailable) as e:
         print(f"d2export serve: error: {e}", file=sys.stderr)
         return 2

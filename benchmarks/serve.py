@@ -1,0 +1,115 @@
+"""Serving benchmark: the HTTP server on loopback, N requests from C client threads; p50/p95 latency and throughput.
+
+Modes, side by side from one run:
+- direct: the predictor in-process (decoded picture in, no HTTP) — the floor the server is measured against;
+- http: POST /predict with PNG bytes (decode, resize, run, JSON);
+- http+batch: the same with --max-batch C (concurrent requests share a session run).
+
+    python benchmarks/serve.py [--model model.onnx | --config textdet_tiny] [--requests 200] [--clients 2]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+
+def exported(config: str, out: Path) -> Path:
+    from d2export import pipeline
+    from d2export.config import load
+
+    manifest = pipeline.export(load(config, [f"export.output_dir={out}", "verify.enabled=false"]))
+    return out / manifest.model_file
+
+
+def timed(call: Callable[[], None], requests: int, clients: int) -> dict:
+    def one(_: int) -> float:
+        t = time.perf_counter()
+        call()
+        return time.perf_counter() - t
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        latencies = sorted(pool.map(one, range(requests)))
+    wall = time.perf_counter() - started
+    q = statistics.quantiles(latencies, n=20, method="inclusive")
+    return {"p50": statistics.median(latencies) * 1e3, "p95": q[18] * 1e3, "mean": statistics.fmean(latencies) * 1e3,
+            "rps": requests / wall}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="an exported .onnx; default: export --config into a temp dir")
+    ap.add_argument("--config", default="textdet_tiny", help="config to export when no --model is given")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
+    ap.add_argument("--size", default="480x640", help="the pictures' original HxW")
+    ap.add_argument("--min-size", type=int, default=None, help="override the manifest's test size")
+    ap.add_argument("--max-size", type=int, default=None)
+    ap.add_argument("--modes", default="direct,http,http+batch")
+    ap.add_argument("--batch-timeout-ms", type=float, default=5.0, help="http+batch: how long a request waits")
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args(argv)
+
+    import httpx
+    from PIL import Image
+
+    from d2export.imaging import synthetic_image
+    from d2export.runtime.predictor import Predictor
+    from d2export.runtime.server import create_app, serving
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(args.model) if args.model else exported(args.config, Path(tmp))
+        predictor = Predictor(model, threads=args.threads, min_size=args.min_size, max_size=args.max_size)
+        h, w = map(int, args.size.split("x"))
+        image = synthetic_image(h, w, seed=0).transpose(1, 2, 0).copy()
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, "PNG")
+        png = buf.getvalue()
+        resized = predictor.prepare(image).chw.shape[1:]
+        print(f"model {model.name} ({model.stat().st_size / 1e6:.0f} MB), picture {h}x{w} ({len(png) / 1e3:.0f} kB "
+              f"PNG) → input {resized[0]}x{resized[1]}; {args.requests} requests from {args.clients} client threads, "
+              f"onnxruntime threads {args.threads or 'default'}, {predictor.providers[0]}")
+
+        rows = {}
+        for mode in args.modes.split(","):
+            if mode == "direct":
+                call = lambda: predictor.predict(image)  # noqa: E731
+                for _ in range(args.warmup):
+                    call()
+                rows[mode] = timed(call, args.requests, args.clients)
+                continue
+            app = create_app(predictor, max_batch=args.clients if mode == "http+batch" else 1,
+                             batch_timeout_ms=args.batch_timeout_ms)
+            with serving(app) as url, httpx.Client(base_url=url, timeout=600) as client:
+                def call() -> None:
+                    r = client.post("/predict", content=png, headers={"content-type": "image/png"})
+                    r.raise_for_status()
+
+                for _ in range(args.warmup):
+                    call()
+                if app.state.batcher:
+                    app.state.batcher.batch_sizes.clear()
+                rows[mode] = timed(call, args.requests, args.clients)
+                if app.state.batcher:
+                    sizes = app.state.batcher.batch_sizes
+                    rows[mode]["batches"] = " ".join(f"{k}x{n}" for k, n in sorted(sizes.items()))
+
+    base = rows.get("direct")
+    print(f"{'mode':<12} {'p50 ms':>9} {'p95 ms':>9} {'mean ms':>9} {'req/s':>8} {'p50 vs direct':>14}  batches")
+    for mode, r in rows.items():
+        ratio = f"{r['p50'] / base['p50']:.2f}x" if base else "-"
+        print(f"{mode:<12} {r['p50']:>9.1f} {r['p95']:>9.1f} {r['mean']:>9.1f} {r['rps']:>8.2f} {ratio:>14}  "
+              f"{r.get('batches', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
