@@ -55,6 +55,15 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     return Built(cfg, d2cfg, model, adapter, swapped)
 
 
+def traced_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
+    """The dummy batch the graph is traced on. torch.export specialises a dimension of size 1 to a constant, so a
+    single dummy image gets a twin there (a dynamic batch must be traced at 2 or more)."""
+    sizes = [tuple(s) for s in cfg.export.dummy_sizes]
+    if cfg.export.exporter == "dynamo" and cfg.export.dynamic and len(sizes) == 1:
+        sizes = sizes * 2
+    return sizes
+
+
 def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
     """The dummy size, its transpose, a non-square size and its transpose (same token count, other aspect ratio —
     where a baked shape goes silently wrong), and an odd size; or what the config lists."""
@@ -102,7 +111,7 @@ def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
     if cfg.verify.enabled:
         _step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
         cases = verification_cases(built)  # eager, before any export-time patch: the independent side
-    args = _torch_inputs(adapter, dummy_images(e.dummy_sizes, cfg.model.seed))
+    args = _torch_inputs(adapter, dummy_images(traced_sizes(cfg), cfg.model.seed))
     axes = adapter.dynamic_axes if e.dynamic else None
     out_dir.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkstemp(dir=out_dir, prefix=f".{final.stem}.", suffix=".staged.onnx")[1])
@@ -124,11 +133,15 @@ def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
         raise
     import onnx
 
-    graph = onnx.load(str(final), load_external_data=False).graph
+    onnx_model = onnx.load(str(final), load_external_data=False)
+    graph = onnx_model.graph
+    opset = next(o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx"))
+    if opset != e.opset:  # torch.export has no translations below 18 and keeps 18 when conversion fails
+        log.warning("asked for opset %d, the exporter wrote opset %d", e.opset, opset)
     manifest = Manifest(
         model_file=final.name, family=adapter.family,
         inputs=_specs(graph.input), outputs=_specs(graph.output),
-        opset=e.opset, exporter=e.exporter, sampler=e.sampler,
+        opset=opset, exporter=e.exporter, sampler=e.sampler,
         preprocess=_preprocess(built.d2cfg), postprocess=_postprocess(built.d2cfg, adapter.family),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
@@ -154,8 +167,9 @@ def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
     report = lint_mod.LintReport(tracer_warnings=lint_mod.summarise_warnings(result.tracer_warnings))
     if axes is None:
         return report  # a static export is size-specific by request
-    h, w = built.cfg.export.dummy_sizes[0]
-    second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in built.cfg.export.dummy_sizes[1:]]
+    sizes = traced_sizes(built.cfg)
+    h, w = sizes[0]
+    second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in sizes[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         e = built.cfg.export
         export_onnx(built.adapter, _torch_inputs(built.adapter, dummy_images(second, 7)), Path(tmp) / "second.onnx",
@@ -198,7 +212,7 @@ def ladder(built: Built, sizes: Sequence[Sequence[int]] | None = None):
     sizes = [tuple(s) for s in (sizes or verification_sizes(cfg))]
     cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
     return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
-                      dummy_images(cfg.export.dummy_sizes, cfg.model.seed), cases, atol=cfg.verify.atol,
+                      dummy_images(traced_sizes(cfg), cfg.model.seed), cases, atol=cfg.verify.atol,
                       rtol=cfg.verify.rtol, max_mismatch=cfg.verify.max_mismatch, providers=cfg.verify.providers)
 
 

@@ -29,11 +29,12 @@ def _close(out, ref, atol):
     assert err < atol, f"max abs error {err}"
 
 
-@pytest.mark.parametrize("lq", [9, 120])  # few queries (decoder-like) and many (encoder-like): both gather layouts
+@pytest.mark.parametrize("lq", [9, 120, "self"])  # decoder-like and encoder-like (Lq = S): both gather layouts
 @pytest.mark.parametrize("sampler", EAGER)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_eager_parity(sampler, case, lq):
     shapes, n, heads, dim, points = CASES[case]
+    lq = sum(h * w for h, w in shapes) if lq == "self" else lq
     args = random_msda_inputs(shapes, n=n, lq=lq, heads=heads, dim=dim, points=points, seed=case)
     _close(multi_scale_deformable_attention(*args, sampler=sampler), msda_reference(*args), 2e-6)
 
@@ -131,7 +132,8 @@ def _run(model, args):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return torch.from_numpy(session.run(None, {k: v.numpy() for k, v in zip(NAMES, args)})[0])
+    used = {i.name for i in session.get_inputs()}  # level starts may come from the sizes: the graph drops them
+    return torch.from_numpy(session.run(None, {k: v.numpy() for k, v in zip(NAMES, args) if k in used})[0])
 
 
 # Exported at the first shapes, run at the others: other sizes and aspect ratios, the same token count with the
@@ -144,16 +146,28 @@ RUN_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("sampler,opset,lq", [("gather", 11, 5), ("gather", 17, 5), ("gather", 11, 40),
-                                              ("grid_sample", 16, 5), ("grid_sample", 19, 5)])
+@pytest.mark.parametrize("sampler,opset,lq", [("gather", 11, 5), ("gather", 17, 5), ("gather", 11, "self"),
+                                              ("gather", 17, 40), ("grid_sample", 16, 5), ("grid_sample", 19, 5)])
 def test_onnx_parity_at_other_sizes(sampler, opset, lq):
-    """lq 5 and 40: traced with few queries (decoder-like) or many (encoder-like), the gather layouts differ."""
+    """Traced as self-attention (Lq = S: the quad-table layout) or with other query counts (straight from value)."""
+    lq = sum(h * w for h, w in EXPORT_SHAPES) if lq == "self" else lq
     model = _export(_Core(sampler), random_msda_inputs(EXPORT_SHAPES, n=2, lq=lq, heads=2, dim=4, points=3), opset)
     grid_samples = [n for n in model.graph.node if n.op_type == "GridSample"]
     assert (len(grid_samples) == 0) if sampler == "gather" else (len(grid_samples) == len(EXPORT_SHAPES))
     for i, (shapes, n, lq) in enumerate(RUN_SHAPES):
         args = random_msda_inputs(shapes, n=n, lq=lq, heads=2, dim=4, points=3, seed=10 + i)
         _close(_run(model, args), msda_reference(*args), 2e-6)
+
+
+def test_gather_layout_does_not_follow_the_dummy_size():
+    """The quad table only for self-attention (Lq = S, L·P ≥ M); a decoder whose queries outnumber the dummy's
+    pixels must not take it, or the graph is slow at serving sizes."""
+    from d2export.ops.msda import _quad_table_pays
+
+    assert _quad_table_pays(32, 32, taps_per_query=9, heads=2)
+    assert not _quad_table_pays(40, 32, taps_per_query=9, heads=2)  # windows 360 >= rows 64, still no table
+    assert not _quad_table_pays(32, 32, taps_per_query=4, heads=8)
+    assert _quad_table_pays(torch.tensor(7), torch.tensor(7), taps_per_query=16, heads=8)  # traced sizes
 
 
 def test_auto_exports_gather_unless_told_otherwise():

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ._bilinear import bilinear_window, quad_table
+from .level_shapes import level_shapes, level_starts
 
 SAMPLERS = ("auto", "gather", "grid_sample", "pytorch", "trt_plugin")
 EXPORT_DEFAULT = "gather"
@@ -83,12 +84,22 @@ def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _level_bounds(spatial_shapes, level_start_index):
-    """[(H, W, start), ...] per level: Python ints eagerly (one device sync), 0-d tensors while exporting so the
-    graph keeps following the feature maps' sizes."""
-    if is_exporting():
-        return [(hw[0], hw[1], start) for hw, start in zip(spatial_shapes.unbind(0), level_start_index.unbind(0))]
-    return [(h, w, start) for (h, w), start in zip(spatial_shapes.tolist(), level_start_index.tolist())]
+def _level_bounds(spatial_shapes):
+    """[(H, W, start), ...] per level, never read from tensor values while exporting: 0-d tensors under the
+    TorchScript tracer and SymInts under torch.export (see `level_shapes`), so the graph keeps following the feature
+    maps' sizes; Python ints eagerly (one device sync)."""
+    shapes = level_shapes(spatial_shapes)
+    return [(h, w, start) for (h, w), start in zip(shapes, level_starts(shapes))]
+
+
+def _index_sizes(value: torch.Tensor, dtype: torch.dtype):
+    """S and M of value [N, S, M, D] as 1-element tensors of the index dtype. A traced size (or any 0-d tensor,
+    which the TorchScript exporter promotes like a Python scalar) would turn the whole index int64 in the graph;
+    torch.export has no `_shape_as_tensor`, and `scalar_tensor` keeps its SymInt symbolic."""
+    if torch.compiler.is_exporting():
+        return tuple(torch.scalar_tensor(v, dtype=dtype, device=value.device).view(1) for v in value.shape[1:3])
+    shape = torch._shape_as_tensor(value).to(device=value.device, dtype=dtype)
+    return shape[1:2], shape[2:3]
 
 
 def _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -106,19 +117,15 @@ def _gather(value, spatial_shapes, level_start_index, sampling_locations, attent
     # Row of value.reshape(N * S * M, D) for (batch b, token t, head h) is (b * S + t) * M + h.
     # int32 indices gather faster than int64 in onnxruntime; N * S * M stays far below 2**31.
     idx = offset.dtype
-    # S and M as index-typed 1-element tensors: a traced size (or any 0-d tensor, which the exporter promotes like
-    # a Python scalar) would turn the whole index int64 in the graph.
-    shape = torch._shape_as_tensor(value).to(device=value.device, dtype=idx)
-    s_, m_ = shape[1:2], shape[2:3]
+    s_, m_ = _index_sizes(value, idx)
     batch = torch.arange(n, dtype=idx, device=value.device).view(n, 1, 1, 1, 1) * s_
     head = torch.arange(m, dtype=idx, device=value.device).view(1, 1, m, 1, 1)
     base = (batch + level_start_index.to(idx).unsqueeze(-1).expand(level_shape)) * m_ + head  # [N, 1, M, L, P]
     rows = offset * m_ + base  # the window's top-left pixel
     taps = n_levels * n_points * 4
-    if _quad_table_pays(lq * n_levels * n_points, s * m):
-        # one 4D-wide row per window; the table costs ~10 copies of value, repaid when windows outnumber rows
+    if _quad_table_pays(lq, s, n_levels * n_points, m):  # one 4D-wide row per window
         table = torch.cat([quad_table(value[:, start:start + h * w], w)
-                           for h, w, start in _level_bounds(spatial_shapes, level_start_index)], 1)
+                           for h, w, start in _level_bounds(spatial_shapes)], 1)
         sampled = table.reshape(n * s * m, 4 * d).index_select(0, rows.reshape(-1))
     else:  # four D-wide rows per window, straight from value: pixels +1 and +W (+1) are M and W * M rows on.
         # A 1-pixel-wide (-high) level has no right (lower) neighbour, possibly not even a next row: read the
@@ -131,19 +138,22 @@ def _gather(value, spatial_shapes, level_start_index, sampling_locations, attent
     return torch.matmul(weight.view(n, lq, m, 1, taps), sampled.view(n, lq, m, taps, d)).view(n, lq, m * d)
 
 
-def _quad_table_pays(windows, value_rows) -> bool:
-    """Whether to build the quad table: a choice of speed only (both ways are exact), made from the sizes seen while
-    tracing — self-attention over the feature maps (Lq = S) takes the table, a decoder's few queries do not."""
+def _quad_table_pays(len_q, len_in, taps_per_query: int, heads: int) -> bool:
+    """Whether to build the quad table: a choice of speed only (both ways are exact). The table (~10 copies of
+    value) is repaid when windows outnumber value's rows at every image size, i.e. in self-attention over the feature
+    maps (Lq = S) with L·P ≥ M. A decoder's fixed query count never qualifies: it outnumbers the rows at a small
+    dummy size but not at serving sizes, so deciding from the traced numbers would bake a slow graph."""
     try:
         from torch.fx.experimental.symbolic_shapes import statically_known_true
     except ImportError:  # older torch
         def statically_known_true(x):
             return bool(x)
-    if isinstance(windows, torch.Tensor):  # TorchScript tracing: sizes are traced 0-d tensors; baking is the point
+    if isinstance(len_q, torch.Tensor) or isinstance(len_in, torch.Tensor):  # TorchScript tracing: 0-d tensors
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            windows, value_rows = int(windows), int(value_rows)
-    return statically_known_true(windows >= value_rows)  # torch.export: no guard on the symbolic sizes
+            len_q, len_in = int(len_q), int(len_in)
+    # torch.export: the encoder's Lq and S are the same symbolic expression; no guard is added either way
+    return taps_per_query >= heads and statically_known_true(len_q == len_in)
 
 
 def _per_level_grid_sample(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -154,7 +164,7 @@ def _per_level_grid_sample(value, spatial_shapes, level_start_index, sampling_lo
     grids = (2 * sampling_locations - 1).transpose(1, 2).reshape(n * m, lq, n_levels, n_points, 2)
     samples = [F.grid_sample(per_head[:, :, start:start + h * w].reshape(n * m, d, h, w), grids[:, :, level],
                              mode="bilinear", padding_mode="zeros", align_corners=False)  # [N*M, D, Lq, P]
-               for level, (h, w, start) in enumerate(_level_bounds(spatial_shapes, level_start_index))]
+               for level, (h, w, start) in enumerate(_level_bounds(spatial_shapes))]
     sampled = torch.stack(samples, dim=-2).reshape(n * m, d, lq, n_levels * n_points)
     weight = attention_weights.transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)
     out = (sampled * weight).sum(-1)  # [N*M, D, Lq]

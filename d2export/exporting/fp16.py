@@ -1,0 +1,116 @@
+"""A float32 ONNX graph → float16 weights and activations, with chosen nodes kept in float32.
+
+For GPU serving: half the weights' size and memory traffic. By default the MSDA sampling cores (pixel coordinates in
+float16 are off by up to 1/8 px at 256 px, see `ops.msda`) and every Softmax stay float32. The graph's inputs and
+outputs keep their types, so callers feed and read it exactly like the float32 graph.
+
+How: every float tensor becomes float16 except those made by a kept node; a Cast is put wherever a consumer wants the
+other precision. Constants used only in float16 are stored in float16; one that a float32 consumer also reads keeps
+its float32 value (no rounding) and gets a Cast, which onnxruntime folds when it loads the graph.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from d2export.exporting.graph_scopes import is_msda_core, msda_scopes
+
+FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
+# inputs that the ONNX spec types as float32 whatever the data's type (Resize's roi and scales)
+_FLOAT32_SLOTS = {"Resize": {1, 2}, "Upsample": {1}}
+_NO_FLOAT16 = {"Range"}  # ops the spec defines for float32 but not float16
+
+
+def default_keep(graph: onnx.GraphProto) -> Callable[[onnx.NodeProto], bool]:
+    scopes = msda_scopes(graph)
+    return lambda node: node.op_type == "Softmax" or is_msda_core(node, scopes)
+
+
+def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | None = None) -> onnx.ModelProto:
+    """A float16 copy of `model`; nodes for which `keep(node)` is true compute in float32."""
+    model = onnx.shape_inference.infer_shapes(model)
+    graph = model.graph
+    if any(a.type == onnx.AttributeProto.GRAPH for n in graph.node for a in n.attribute):
+        raise NotImplementedError("graphs with subgraphs (If/Loop/Scan) are not supported")
+    keep = keep or default_keep(graph)
+    nodes = list(graph.node)  # one wrapper per node: ids stay valid while the list lives
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    constants = {t.name: t for t in graph.initializer}
+    for node in nodes:
+        if node.op_type == "Constant" and node.attribute[0].name == "value":
+            constants[node.output[0]] = node.attribute[0].t
+            types[node.output[0]] = node.attribute[0].t.data_type
+
+    kept = {id(n) for n in nodes if keep(n) or n.op_type in _NO_FLOAT16}
+    # the precision each float tensor's consumers want
+    wanted: dict[str, set[int]] = {}
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            if name and types.get(name) == FLOAT:
+                fp32 = id(node) in kept or i in _FLOAT32_SLOTS.get(node.op_type, ())
+                wanted.setdefault(name, set()).add(FLOAT if fp32 else HALF)
+    for out in graph.output:
+        if types.get(out.name) == FLOAT:
+            wanted.setdefault(out.name, set()).add(FLOAT)
+
+    # the precision each float tensor is made in
+    made: dict[str, int] = {v.name: FLOAT for v in graph.input if v.type.tensor_type.elem_type == FLOAT}
+    for name, tensor in constants.items():
+        if tensor.data_type == FLOAT:
+            made[name] = HALF if wanted.get(name) == {HALF} else FLOAT
+    for node in nodes:
+        if node.op_type == "Constant" and node.output[0] in constants:
+            continue
+        for name in node.output:
+            if types.get(name) == FLOAT:
+                made[name] = FLOAT if id(node) in kept else HALF
+        if id(node) not in kept:
+            _retype_attributes(node)
+
+    for name, tensor in constants.items():
+        if made.get(name) == HALF:
+            tensor.CopyFrom(_half(tensor))
+
+    casts, new_nodes = {}, []
+
+    def cast(name: str, to: int) -> str:
+        key = (name, to)
+        if key not in casts:
+            casts[key] = f"{name}__as_{'fp32' if to == FLOAT else 'fp16'}"
+            new_nodes.append(helper.make_node("Cast", [name], [casts[key]], to=to, name=f"{casts[key]}_cast"))
+        return casts[key]
+
+    outputs = {o.name for o in graph.output}
+    for node in nodes:
+        for i, name in enumerate(node.input):
+            if name in made:
+                fp32 = id(node) in kept or i in _FLOAT32_SLOTS.get(node.op_type, ())
+                if made[name] != (FLOAT if fp32 else HALF):
+                    node.input[i] = cast(name, FLOAT if fp32 else HALF)
+        new_nodes.append(node)
+        for i, name in enumerate(node.output):
+            if name in outputs and made.get(name) == HALF:  # the graph's outputs keep float32
+                node.output[i] = f"{name}__fp16"
+                new_nodes.append(helper.make_node("Cast", [node.output[i]], [name], to=FLOAT, name=f"{name}_cast"))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    del graph.value_info[:]  # stale element types; onnxruntime infers them again
+    return model
+
+
+def _half(tensor: TensorProto) -> TensorProto:
+    data = numpy_helper.to_array(tensor).astype(np.float16)
+    return numpy_helper.from_array(data, tensor.name)
+
+
+def _retype_attributes(node: onnx.NodeProto) -> None:
+    """Attributes that fix an output's type to float32 in a node that now makes float16."""
+    for attr in node.attribute:
+        if node.op_type == "Cast" and attr.name == "to" and attr.i == FLOAT:
+            attr.i = HALF
+        elif node.op_type == "ConstantOfShape" and attr.name == "value" and attr.t.data_type == FLOAT:
+            attr.t.CopyFrom(_half(attr.t))
