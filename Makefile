@@ -28,7 +28,8 @@ export: setup
 	$(PY) tools/export.py --config $(CONFIG)
 
 bench: setup
-	$(PY) tools/benchmark.py all
+	$(PY) tools/benchmark.py msda
+	$(PY) tools/benchmark.py e2e
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
