@@ -47,3 +47,20 @@ def test_export_writes_a_checked_model_with_pinned_static_dims(tmp_path):
     out = onnx.load(str(result.path)).graph.output[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in out] == ["batch", 3, 2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def test_tracer_warnings_point_at_the_models_own_line(tmp_path):
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2)
+
+        def forward(self, x):
+            return self.mha(x, x, x)[0]  # torch's checks inside raise TracerWarnings in torch/nn/functional.py
+
+    result = export_onnx(Attn().eval(), (torch.randn(5, 1, 8),), tmp_path / "a.onnx", input_names=["x"],
+                         output_names=["y"])
+    assert result.tracer_warnings
+    assert all(w.filename.endswith("test_onnx_export.py") for w in result.tracer_warnings)
+    assert "raised in" in str(result.tracer_warnings[0].message) and "functional.py" in str(
+        result.tracer_warnings[0].message)

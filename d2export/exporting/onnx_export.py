@@ -4,8 +4,10 @@ Nothing half-written is ever left at the destination: a failure anywhere removes
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import traceback
 import re
 import tempfile
 import warnings
@@ -59,8 +61,10 @@ def export_onnx(
     tmp = Path(tmp)
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings():
             warnings.simplefilter("always", torch.jit.TracerWarning)
+            caught: list[warnings.WarningMessage] = []
+            warnings.showwarning = functools.partial(_record_at_user_line, caught)
             try:
                 _run_exporter(module, args, tmp, input_names, output_names, dynamic_axes, opset, exporter)
             except Exception as e:  # the exporter's own errors are long and name no module: say what and where
@@ -77,8 +81,29 @@ def export_onnx(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    tracer = [w for w in caught if issubclass(w.category, torch.jit.TracerWarning)]
-    return ExportResult(path, time.perf_counter() - start, tracer, len(model.graph.node))
+    return ExportResult(path, time.perf_counter() - start, caught, len(model.graph.node))
+
+
+def _record_at_user_line(caught, message, category, filename, lineno, file=None, line=None):
+    """A TracerWarning names the torch frame that raised it (torch/nn/functional.py, …); record it at the
+    innermost frame of the model's own code instead, which is where a value left the graph."""
+    if not issubclass(category, torch.jit.TracerWarning):
+        return
+    if _is_library(filename):
+        for frame in reversed(traceback.extract_stack()[:-1]):
+            if not _is_library(frame.filename) and "d2export/exporting" not in frame.filename:
+                message = f"{message} (raised in {filename}:{lineno})"
+                filename, lineno = frame.filename, frame.lineno
+                break
+    caught.append(warnings.WarningMessage(message, category, filename, lineno))
+
+
+def _is_library(filename: str) -> bool:
+    return ("site-packages" in filename or "/torch/" in filename or filename.startswith("<")
+            or filename.startswith(_STDLIB))
+
+
+_STDLIB = os.path.dirname(os.__file__)
 
 
 def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, opset, exporter):

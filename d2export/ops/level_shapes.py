@@ -9,6 +9,8 @@ torch.export, ints eagerly.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -61,3 +63,13 @@ def level_starts(shapes) -> list:
         starts.append(total)
         total = total + h * w
     return starts
+
+
+def static_size(x) -> int:
+    """A traced size that is part of the model's structure (the same at every input size, e.g. a coordinate count)
+    as a Python int, without the TracerWarning that would otherwise flag it as a baked value."""
+    if isinstance(x, Tensor):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return int(x)
+    return x

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import warnings
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from ._bilinear import bilinear_window, quad_table
-from .level_shapes import level_shapes, level_starts
+from .level_shapes import level_shapes, level_starts, static_size
 
 SAMPLERS = ("auto", "gather", "grid_sample", "pytorch", "trt_plugin")
 EXPORT_DEFAULT = "gather"
@@ -148,10 +147,8 @@ def _quad_table_pays(len_q, len_in, taps_per_query: int, heads: int) -> bool:
     except ImportError:  # older torch
         def statically_known_true(x):
             return bool(x)
-    if isinstance(len_q, torch.Tensor) or isinstance(len_in, torch.Tensor):  # TorchScript tracing: 0-d tensors
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
-            len_q, len_in = int(len_q), int(len_in)
+    # TorchScript tracing: 0-d tensors; a speed choice made once, deliberately
+    len_q, len_in, taps_per_query, heads = map(static_size, (len_q, len_in, taps_per_query, heads))
     # torch.export: the encoder's Lq and S are the same symbolic expression; no guard is added either way
     return taps_per_query >= heads and statically_known_true(len_q == len_in)
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from d2export.ops.level_shapes import static_size
 from d2export.ops.msda import multi_scale_deformable_attention
 
 _PROJECTIONS = ("sampling_offsets", "attention_weights", "value_proj", "output_proj")
@@ -49,14 +50,15 @@ def sample(module: nn.Module, query, reference_points, value, spatial_shapes, le
     offsets = module.sampling_offsets(query).view(n, len_q, heads, levels, points, 2)
     weights = module.attention_weights(query).view(n, len_q, heads, levels * points)
     weights = F.softmax(weights, -1).view(n, len_q, heads, levels, points)
-    if reference_points.shape[-1] == 2:
+    corners = static_size(reference_points.shape[-1])  # 2: points, 4: boxes; the model's structure, not the input's
+    if corners == 2:
         # offsets are in pixels of each level. The step and the reference points are shaped so that onnxruntime
         # broadcasts on its fast path: trailing [L, P, 2] operands, full-shape references (7% of a 640² image).
         size = torch.stack([spatial_shapes[..., 1], spatial_shapes[..., 0]], -1).to(offsets.dtype)  # (W, H) [L, 2]
         step = size[:, None, :].expand(levels, points, 2)
         ref = reference_points[:, :, None, :, None, :].expand(n, len_q, heads, levels, points, 2)
         locations = ref + offsets / step
-    elif reference_points.shape[-1] == 4:
+    elif corners == 4:
         locations = (reference_points[:, :, None, :, None, :2]
                      + offsets / points * reference_points[:, :, None, :, None, 2:] * 0.5)
     else:
