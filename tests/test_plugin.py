@@ -119,3 +119,33 @@ def test_swap_finds_msda_by_duck_typing_and_matches_the_reference():
 def test_swap_leaves_other_modules_alone():
     model = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(8, 2))
     assert msda_swap.swap(model) == []
+
+
+class MmcvStyleAttention(OddlyNamedAttention):
+    """mmcv/detrex naming and call convention: num_* counts, [len, N, C] layout, residual and dropout inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.num_levels, self.num_points = self.n_heads, self.n_levels, self.n_points
+        del self.n_heads, self.n_levels, self.n_points
+        self.batch_first = False
+        self.dropout = nn.Dropout(0.0)
+
+
+def test_swap_handles_the_mmcv_call_convention():
+    torch.manual_seed(1)
+    attn = MmcvStyleAttention().double().eval()
+    assert msda_swap.swap(attn) == [""] and msda_swap.convention(attn) == "mmcv"
+    spatial, start = torch.tensor([[6, 9], [3, 5]]), torch.tensor([0, 54])
+    query, pos = torch.randn(7, 2, 8, dtype=torch.float64), torch.randn(7, 2, 8, dtype=torch.float64)
+    value = torch.randn(69, 2, 8, dtype=torch.float64)
+    ref_points = torch.rand(2, 7, 2, 2, dtype=torch.float64)
+    out = attn(query, value=value, query_pos=pos, reference_points=ref_points, spatial_shapes=spatial,
+               level_start_index=start)
+    q, v = (query + pos).transpose(0, 1), value.transpose(0, 1)
+    vp = attn.value_proj(v).view(2, 69, 2, 4)
+    offsets = attn.sampling_offsets(q).view(2, 7, 2, 2, 3, 2)
+    weights = attn.attention_weights(q).view(2, 7, 2, 6).softmax(-1).view(2, 7, 2, 2, 3)
+    loc = ref_points[:, :, None, :, None, :] + offsets / spatial.flip(-1)[None, None, None, :, None, :]
+    expected = query + attn.output_proj(msda_reference(vp, spatial, start, loc, weights)).transpose(0, 1)
+    torch.testing.assert_close(out, expected, atol=1e-9, rtol=1e-9)
