@@ -31,37 +31,6 @@ def run_export(cfg: Any) -> dict:
             "model": str(Path(typed.export.output_dir) / manifest.model_file)}
 
 
-class SweepSummary:
-    """Hydra callback: collects each job's summary row and prints one table when a sweep ends."""
-
-    def __init__(self) -> None:
-        self.rows: list[tuple[str, dict | None]] = []
-
-    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
-        overrides = " ".join(config.hydra.overrides.task) or "(defaults)"
-        value = getattr(job_return, "_return_value", None)
-        self.rows.append((overrides, value if isinstance(value, dict) else None))
-
-    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        print(format_sweep(self.rows))
-
-    def __getattr__(self, name: str):  # the other hooks of hydra's Callback protocol: nothing to do
-        if name.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(name)
-
-
-def format_sweep(rows: list[tuple[str, dict | None]]) -> str:
-    lines = [f"{'overrides':<48} {'verified':>8} {'max abs':>10} {'seconds':>8}  model"]
-    for overrides, r in rows:
-        if r is None:
-            lines.append(f"{overrides:<48} {'FAILED':>8}")
-        else:
-            max_abs = f"{r['max_abs']:.3g}" if r.get("max_abs") is not None else "-"
-            lines.append(f"{overrides:<48} {str(r['verified']):>8} {max_abs:>10} {r['seconds']:>8.1f}  {r['model']}")
-    return "sweep summary\n" + "\n".join(lines)
-
-
 def export_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(prog="d2export export", description="Export a detectron2 model to verified ONNX.")

@@ -4,13 +4,14 @@ Torch-free on purpose: the serving runtime reads it without torch or detectron2.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 SCHEMA_VERSION = 1
 
@@ -84,15 +85,24 @@ def readable_by_all(path: str | os.PathLike) -> None:
     os.chmod(path, 0o644 & ~umask)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+@contextlib.contextmanager
+def staged(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+    """A temporary file beside `path` for the block to write; renamed onto `path` (readable by all) when the block
+    succeeds, removed when it fails: readers never see half a file, and a failure leaves nothing behind."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=suffix)
+    os.close(fd)
+    tmp = Path(tmp)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        yield tmp
         readable_by_all(tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    with staged(path) as tmp:
+        tmp.write_bytes(data)

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from d2export import __version__, building
@@ -22,8 +21,8 @@ from d2export.config import D2ExportConfig
 from d2export.exporting import lint as lint_mod
 from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
-from d2export.manifest import Manifest, TensorSpec, manifest_path, sha256_file
-from d2export.tracing import dummy_images, graph_inputs, make_adapter
+from d2export.manifest import Manifest, TensorSpec, manifest_path, sha256_file, staged
+from d2export.tracing import dummy_images, graph_inputs, make_adapter, torch_inputs
 
 log = logging.getLogger("d2export")
 
@@ -105,32 +104,26 @@ def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
     started = time.perf_counter()
     built = prepare(cfg, root)
     adapter, e = built.adapter, cfg.export
-    out_dir = Path(e.output_dir)
-    final = out_dir / e.filename
+    final = Path(e.output_dir) / e.filename
     cases = []
     if cfg.verify.enabled:
         _step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
         cases = verification_cases(built)  # eager, before any export-time patch: the independent side
-    args = _torch_inputs(adapter, dummy_images(traced_sizes(cfg), cfg.model.seed))
+    args = torch_inputs(adapter, dummy_images(traced_sizes(cfg), cfg.model.seed))
     axes = adapter.dynamic_axes if e.dynamic else None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkstemp(dir=out_dir, prefix=f".{final.stem}.", suffix=".staged.onnx")[1])
-    try:
+    with staged(final, suffix=".staged.onnx") as staged_model:
         with export_scope(built) as report:
             _step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
-            result = export_onnx(adapter, args, staged, input_names=adapter.input_names,
+            result = export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
                                  output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
                                  exporter=e.exporter, simplify=e.simplify)
             log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
-            lint = _lint(built, staged, result, axes) if e.lint else None
+            lint = _lint(built, staged_model, result, axes) if e.lint else None
         log.info("patches:\n%s", report)
         if lint is not None:
             log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
-        verification = _verify(cfg, staged, adapter.output_names, cases, built) if cases else {"passed": None}
-        os.replace(staged, final)
-    except BaseException:
-        staged.unlink(missing_ok=True)
-        raise
+        verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
+                        else {"passed": None})
     import onnx
 
     onnx_model = onnx.load(str(final), load_external_data=False)
@@ -156,11 +149,6 @@ def _step(i: int, what: str, detail: str = "") -> None:
     log.info("[%d/6] %s%s", i, what, f": {detail}" if detail else "")
 
 
-def _torch_inputs(adapter, images: Sequence[np.ndarray]) -> tuple[torch.Tensor, ...]:
-    named = graph_inputs(adapter, images)
-    return tuple(torch.from_numpy(named[n]) for n in adapter.input_names)
-
-
 def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
     import onnx
 
@@ -172,7 +160,7 @@ def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
     second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in sizes[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         e = built.cfg.export
-        export_onnx(built.adapter, _torch_inputs(built.adapter, dummy_images(second, 7)), Path(tmp) / "second.onnx",
+        export_onnx(built.adapter, torch_inputs(built.adapter, dummy_images(second, 7)), Path(tmp) / "second.onnx",
                     input_names=built.adapter.input_names, output_names=built.adapter.output_names,
                     dynamic_axes=axes, opset=e.opset, exporter=e.exporter)
         report.identical, report.size_dependent_constants = lint_mod.compare_graphs(

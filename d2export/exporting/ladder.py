@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import math
 import re
 import tempfile
 from collections import Counter
@@ -32,7 +31,8 @@ import torch
 from torch import nn
 
 from d2export.exporting.onnx_export import export_onnx
-from d2export.tracing import graph_inputs
+from d2export.exporting.verify import difference
+from d2export.tracing import graph_inputs, torch_inputs
 
 Key = tuple  # (module path, call index, where the tensor sits in the call's output: "", "[1]", "['pred_logits']")
 ROOT = "(outputs)"  # how the adapter itself is named in the table
@@ -269,22 +269,9 @@ class LadderReport:
 # ------------------------------------------------------------------------------------------------------ comparison
 def compare(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float,
             max_mismatch: float = 0.0) -> tuple[float, float, list | None, bool]:
-    """(max abs, max rel, first element past atol + rtol·|expected|, within tolerance). Equal non-finite values
-    agree; integer and boolean tensors may mismatch on a fraction `max_mismatch` of elements (argmax near-ties)."""
-    if expected.shape != actual.shape:
-        return math.inf, math.inf, None, False
-    if expected.size == 0:
-        return 0.0, 0.0, None, True
-    e, a = expected.astype(np.float64), actual.astype(np.float64)
-    with np.errstate(all="ignore"):
-        same = (e == a) | (np.isnan(e) & np.isnan(a))
-        diff = np.where(same, 0.0, np.nan_to_num(np.abs(a - e), nan=np.inf))
-        finite_e = np.where(np.isfinite(e), e, 0.0)
-        bad = diff > atol + rtol * np.abs(finite_e)
-        rel = np.where(np.isfinite(diff), diff / np.maximum(np.abs(finite_e), 1e-6), 0.0)
-    allowed = max_mismatch if expected.dtype.kind in "biu" else 0.0
-    first = [int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape)] if bad.any() else None
-    return float(diff.max()), float(rel.max()), first, bool(bad.mean() <= allowed)
+    """(max abs, max rel, first element past atol + rtol·|expected|, within tolerance): verification's measure."""
+    d = difference(expected, actual, atol, rtol, max_mismatch)
+    return d.max_abs, d.max_rel, d.first_bad, d.ok
 
 
 _NODE = re.compile(r"Name:'([^']*)'")
@@ -320,7 +307,7 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
     import onnxruntime as ort
 
     paths = list(default_rungs(adapter) if rungs is None else rungs)
-    args = _torch_inputs(adapter, export_images)
+    args = torch_inputs(adapter, export_images)
     with tempfile.TemporaryDirectory(prefix="d2export-ladder-") as tmp, scope():
         with torch.no_grad(), Recorder(adapter, paths) as probe:
             adapter(*args)
@@ -349,7 +336,7 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
 def _run_case(name, adapter, paths, session, names, keys, images, report, atol, rtol, max_mismatch) -> CaseReport:
     case = CaseReport(name)
     with torch.no_grad(), Recorder(adapter, paths) as eager:  # outside the scope: the model's own code
-        adapter(*_torch_inputs(adapter, images))
+        adapter(*torch_inputs(adapter, images))
     for path, src in eager.sources.items():
         report.model_sources.setdefault(path, src)
     try:
@@ -371,11 +358,6 @@ def _run_case(name, adapter, paths, session, names, keys, images, report, atol, 
         note = "" if expected.shape == actual.shape else f"onnx shape {list(actual.shape)}"
         case.rows.append(Row(path, call, part, list(expected.shape), max_abs, max_rel, first, ok, note))
     return case
-
-
-def _torch_inputs(adapter: nn.Module, images: Sequence[np.ndarray]) -> tuple[torch.Tensor, ...]:
-    named = graph_inputs(adapter, images)
-    return tuple(torch.from_numpy(named[n]) for n in adapter.input_names)
 
 
 @contextlib.contextmanager

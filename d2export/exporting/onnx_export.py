@@ -9,7 +9,7 @@ import logging
 import os
 import traceback
 import re
-import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +18,7 @@ from typing import Sequence
 import onnx
 import torch
 
-from d2export.manifest import readable_by_all
+from d2export.manifest import staged
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +50,11 @@ def export_onnx(
     simplify: bool = False,
 ) -> ExportResult:
     """Export `module(*args)` to `path` atomically; returns the TracerWarnings seen while tracing."""
-    import time
-
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown exporter {exporter!r}: choose one of {EXPORTERS}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(tmp)
     start = time.perf_counter()
-    try:
+    with staged(path) as tmp:
         with warnings.catch_warnings():
             warnings.simplefilter("always", torch.jit.TracerWarning)
             caught: list[warnings.WarningMessage] = []
@@ -76,11 +70,6 @@ def export_onnx(
         if simplify:
             model = _slim(model)
             onnx.save(model, str(tmp))
-        readable_by_all(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return ExportResult(path, time.perf_counter() - start, caught, len(model.graph.node))
 
 
@@ -89,18 +78,19 @@ def _record_at_user_line(caught, message, category, filename, lineno, file=None,
     innermost frame of the model's own code instead, which is where a value left the graph."""
     if not issubclass(category, torch.jit.TracerWarning):
         return
-    if _is_library(filename):
+    if not _is_model_code(filename):
         for frame in reversed(traceback.extract_stack()[:-1]):
-            if not _is_library(frame.filename) and "d2export/exporting" not in frame.filename:
+            if _is_model_code(frame.filename):
                 message = f"{message} (raised in {filename}:{lineno})"
                 filename, lineno = frame.filename, frame.lineno
                 break
     caught.append(warnings.WarningMessage(message, category, filename, lineno))
 
 
-def _is_library(filename: str) -> bool:
-    return ("site-packages" in filename or "/torch/" in filename or filename.startswith("<")
-            or filename.startswith(_STDLIB))
+def _is_model_code(filename: str) -> bool:
+    """Not torch, an installed library, the standard library or this exporter: the code being exported."""
+    return not ("site-packages" in filename or "/torch/" in filename or filename.startswith("<")
+                or filename.startswith(_STDLIB) or "d2export/exporting" in filename)
 
 
 _STDLIB = os.path.dirname(os.__file__)
@@ -170,15 +160,12 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 def _user_frame(error: BaseException) -> str:
     """The innermost frame outside torch and site-packages across the exception's causes: where the model's code
     was when the exporter gave up."""
-    import traceback
-
     found = ""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         for frame in traceback.extract_tb(error.__traceback__):
-            if "site-packages" not in frame.filename and "/torch/" not in frame.filename \
-                    and "d2export/exporting" not in frame.filename:
+            if _is_model_code(frame.filename):
                 found = f"{frame.filename}:{frame.lineno} ({frame.name}): {frame.line}"
         error = error.__cause__ or error.__context__
     return found
@@ -229,5 +216,5 @@ def locate_op(module: torch.nn.Module, args: tuple, kind: str) -> list[tuple[str
 def _source_line(node) -> str:
     """The innermost frame of the node's recorded Python stack that is the model's own code, not torch's."""
     stack = [line.strip() for line in node.sourceRange().strip().splitlines()]
-    own = [line for line in stack if "site-packages" not in line and "/torch/" not in line]
+    own = [line for line in stack if _is_model_code(line)]
     return (own or stack or ["<unknown>"])[0]

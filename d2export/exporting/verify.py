@@ -29,25 +29,42 @@ class Comparison:
     ok: bool
 
 
-def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float,
-            max_mismatch: float) -> Comparison:
+@dataclass
+class Difference:
+    max_abs: float
+    max_rel: float
+    mismatch: float  # fraction of elements outside atol + rtol·|expected|
+    first_bad: list | None  # index of the first such element
+    ok: bool
+
+
+def difference(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float,
+               max_mismatch: float = 0.0) -> Difference:
+    """How far `actual` is from `expected`. Equal non-finite values agree; argmax-like integer (and boolean) outputs
+    may flip on near-ties, so a fraction `max_mismatch` of them may differ — never of floats."""
     expected, actual = np.asarray(expected), np.asarray(actual)
     if expected.shape != actual.shape:
-        return Comparison(case, name, list(actual.shape), float("inf"), float("inf"), 1.0, False)
+        return Difference(float("inf"), float("inf"), 1.0, None, False)
     if expected.size == 0:
-        return Comparison(case, name, list(expected.shape), 0.0, 0.0, 0.0, True)
+        return Difference(0.0, 0.0, 0.0, None, True)
     e, a = expected.astype(np.float64), actual.astype(np.float64)
-    diff = np.abs(a - e)
-    finite = np.isfinite(e) & np.isfinite(a)
-    same_nonfinite = ~finite & (e == a) | (np.isnan(e) & np.isnan(a))
-    diff = np.where(same_nonfinite, 0.0, np.where(finite, diff, np.inf))
-    bad = diff > atol + rtol * np.abs(np.where(finite, e, 0.0))
-    # argmax-like integer outputs may flip on near-ties: tolerate a tiny fraction of them, never of floats
+    with np.errstate(all="ignore"):
+        same = (e == a) | (np.isnan(e) & np.isnan(a))
+        diff = np.where(same, 0.0, np.nan_to_num(np.abs(a - e), nan=np.inf))
+        finite_e = np.where(np.isfinite(e), e, 0.0)
+        bad = diff > atol + rtol * np.abs(finite_e)
+        rel = np.where(np.isfinite(diff), diff / np.maximum(np.abs(finite_e), 1e-6), 0.0)
     mismatch = float(bad.mean())
-    allowed = max_mismatch if np.issubdtype(expected.dtype, np.integer) else 0.0
-    rel = diff / np.maximum(np.abs(e), 1e-6)
-    return Comparison(case, name, list(expected.shape), float(diff.max()), float(np.where(finite, rel, 0).max()),
-                      mismatch, mismatch <= allowed)
+    allowed = max_mismatch if expected.dtype.kind in "biu" else 0.0
+    first = [int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape)] if bad.any() else None
+    return Difference(float(diff.max()), float(rel.max()), mismatch, first, mismatch <= allowed)
+
+
+def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float,
+            max_mismatch: float) -> Comparison:
+    d = difference(expected, actual, atol, rtol, max_mismatch)
+    shape = np.shape(expected) if np.shape(expected) == np.shape(actual) else np.shape(actual)
+    return Comparison(case, name, list(shape), d.max_abs, d.max_rel, d.mismatch, d.ok)
 
 
 def run_cases(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,

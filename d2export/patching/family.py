@@ -9,10 +9,14 @@ from d2export.patching import adet_family, msda_swap
 from d2export.patching.registry import register_patch
 
 
-@register_patch("msda-core", module=lambda name, m: msda_swap.is_msda(m),
-                why="compiled MSDA op: no CPU kernel, cannot be traced; the swap also drops a value-dependent assert")
-def msda_forward(self, *args, **kwargs):
-    return msda_swap.forward(self, *args, **kwargs)
+def _modules(has):
+    """The registry's (name, module) predicate from a duck-typing test of the module alone."""
+    return lambda name, module: has(module)
+
+
+register_patch("msda-core", module=_modules(msda_swap.is_msda),
+               why="compiled MSDA op: no CPU kernel, cannot be traced; the swap also drops a value-dependent assert",
+               )(msda_swap.forward)
 
 
 @register_patch("sizes-as-tensor", function="torch.as_tensor",
@@ -28,22 +32,20 @@ def _is_level_list(data) -> bool:
     return all(isinstance(x, (list, tuple)) and len(x) == 2 for x in data)
 
 
-@register_patch("padding-mask-from-sizes", module=lambda name, m: adet_family.has_mask_out_padding(m),
-                method="mask_out_padding",
-                why="per-image int(np.ceil(h / stride)) bakes the dummy's image sizes into the padding masks")
-def mask_out_padding(self, feature_shapes, image_sizes, device):
-    return adet_family.mask_out_padding(self, feature_shapes, image_sizes, device)
+register_patch("padding-mask-from-sizes", module=_modules(adet_family.has_mask_out_padding),
+               method="mask_out_padding",
+               why="per-image int(np.ceil(h / stride)) bakes the dummy's image sizes into the padding masks",
+               )(adet_family.mask_out_padding)
 
 
-@register_patch("reference-points-per-level", module=lambda name, m: adet_family.has_reference_points(m),
+@register_patch("reference-points-per-level", module=_modules(adet_family.has_reference_points),
                 method="get_reference_points",
                 why="linspace over Python-int level sizes bakes the encoder's reference points")
-def get_reference_points(self, spatial_shapes, valid_ratios, device):
+def get_reference_points(self, spatial_shapes, valid_ratios, device):  # a static method upstream: no self there
     return adet_family.get_reference_points(spatial_shapes, valid_ratios, device)
 
 
-@register_patch("encoder-proposals-per-level", module=lambda name, m: adet_family.has_encoder_proposals(m),
-                method="gen_encoder_output_proposals",
-                why="linspace and view over Python-int level sizes bake the two-stage encoder proposals")
-def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shapes):
-    return adet_family.gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shapes)
+register_patch("encoder-proposals-per-level", module=_modules(adet_family.has_encoder_proposals),
+               method="gen_encoder_output_proposals",
+               why="linspace and view over Python-int level sizes bake the two-stage encoder proposals",
+               )(adet_family.gen_encoder_output_proposals)

@@ -41,3 +41,11 @@ def graph_inputs(adapter: nn.Module, images: Sequence[np.ndarray]) -> dict[str, 
         return {"image": images[0].astype(np.float32)}
     batch, sizes = pad_batch(images)
     return {"images": batch, "image_sizes": sizes}
+
+
+def torch_inputs(adapter: nn.Module, images: Sequence[np.ndarray]) -> tuple:
+    """CHW uint8 images → the adapter's positional tensor inputs, for tracing or an eager call."""
+    import torch
+
+    named = graph_inputs(adapter, images)
+    return tuple(torch.from_numpy(named[n]) for n in adapter.input_names)
