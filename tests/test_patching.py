@@ -298,3 +298,43 @@ def test_builtin_rewrites_registered_with_targets():
     assert "grid-sample" in needed(Target(17, "tensorrt", (8, 4)))
     assert {"shape-gather", "group-norm"} <= needed(Target(17, "tensorrt", (8, 0)))
     assert "cross" not in needed(Target(opset=11)) and "cross" in needed(None)
+
+
+def _user_code(x: torch.Tensor) -> torch.Tensor:
+    """Calls a builtin (torch.as_tensor), a Python function (F.adaptive_avg_pool2d) and a boolean-dispatch function
+    (F.adaptive_max_pool2d) by name: what TorchScript must resolve while their patches are installed."""
+    pooled, where = torch.nn.functional.adaptive_max_pool2d(x, (3, 4), return_indices=True)
+    return torch.nn.functional.adaptive_avg_pool2d(x, (3, 4)) + pooled + where + torch.as_tensor([1.5, 2.5]).sum()
+
+
+def test_torchscript_compiles_the_originals_while_function_patches_are_installed(registry):
+    registry.register("as-tensor", function="torch.as_tensor", why="test")(lambda *a, **k: torch.zeros(2))
+    registry.register("avg", function="torch.nn.functional.adaptive_avg_pool2d", why="test")(lambda x, s: x * 0)
+    registry.register("max", function="torch.nn.functional.adaptive_max_pool2d", why="test")(
+        lambda x, s, return_indices=False: NotImplemented)
+    x = torch.rand(2, 3, 7, 9)
+    with registry.apply() as report:
+        scripted = torch.jit.script(_user_code)
+        assert torch.equal(torch.as_tensor([1.0]), torch.zeros(2)), "eager calls are still rewritten"
+        assert torch.nn.functional.adaptive_avg_pool2d(x, 2).abs().sum() == 0
+        in_scope = scripted(x)
+    assert report["as-tensor"].hits == 1 and report["avg"].hits == 1
+    assert "d2export" not in str(scripted.inlined_graph), "a wrapper was compiled"
+    expected = _user_code(x)
+    assert torch.equal(in_scope, expected) and torch.equal(scripted(x), expected)
+
+
+def test_torchscript_builtins_table_is_built_before_anything_is_patched(registry, monkeypatch):
+    """torch.jit builds its builtin-operator table lazily from the torch namespace (older torch releases on first
+    scripting): built inside a scope it would map a wrapper's id, and lose torch.as_tensor, for good."""
+    from torch.jit import _builtins
+
+    monkeypatch.setattr(_builtins, "_builtin_table", None)  # as before torch's first scripting
+    monkeypatch.setattr(_builtins, "_builtin_ops", [(f, op) for f, op in _builtins._builtin_ops
+                                                    if f not in (torch.as_tensor, torch.inverse)])
+    registry.register("as-tensor", function="torch.as_tensor", why="test")(lambda *a, **k: NotImplemented)
+    registry.register("inv", function="torch.inverse", why="test")(lambda x: NotImplemented)
+    with registry.apply():
+        pass
+    assert _builtins._find_builtin(torch.as_tensor) == "aten::as_tensor"
+    assert _builtins._find_builtin(torch.inverse) == "aten::inverse"

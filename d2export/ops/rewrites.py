@@ -211,29 +211,44 @@ def adaptive_max_pool2d(x: Tensor, output_size) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- interpolation
-def _linear_weights(in_size: int, out_size: int, align_corners: bool, scale: Optional[float], x: Tensor) -> Tensor:
-    """[out, in] bilinear weights along one axis: a hat function around each output's source coordinate."""
+def _as_float(size, dtype=torch.float32) -> Tensor:
+    """A size as a 0-d float tensor: traced sizes (0-d tensors) stay in the graph, Python ints become constants."""
+    return size.to(dtype) if isinstance(size, Tensor) else torch.full((), float(size), dtype=dtype)
+
+
+def _linear_weights(in_size, out_size, align_corners: bool, scale: Optional[float], x: Tensor) -> Tensor:
+    """[out, in] bilinear weights along one axis: a hat function around each output's source coordinate. Sizes may
+    be traced 0-d tensors: nothing is read back into Python, so the graph stays size-general."""
+    n_in, n_out = _as_float(in_size), _as_float(out_size)
     i = torch.arange(out_size, dtype=torch.float32, device=x.device)
-    if align_corners:
-        src = i * ((in_size - 1) / (out_size - 1)) if out_size > 1 else i * 0
+    if align_corners:  # (in - 1) / (out - 1), and 0 for a single output (i is 0 there anyway)
+        src = i * ((n_in - 1) / torch.clamp(n_out - 1, min=1))
     else:
-        ratio = 1.0 / scale if scale else in_size / out_size
+        ratio = 1.0 / scale if scale else n_in / n_out
         src = ((i + 0.5) * ratio - 0.5).clamp(min=0)
-    src = src.clamp(max=in_size - 1)  # past the last pixel torch puts all weight on it
+    src = torch.minimum(src, n_in - 1)  # past the last pixel torch puts all weight on it
     pos = torch.arange(in_size, dtype=torch.float32, device=x.device)
     return (1 - (src[:, None] - pos[None, :]).abs()).clamp(min=0).to(x.dtype)
 
 
+def _scaled(size, scale: float):
+    """floor(size * scale) as torch computes it (in double precision); a traced size stays traced."""
+    if isinstance(size, Tensor):
+        return torch.floor(size.to(torch.float64) * scale).to(torch.long)
+    return int(size * scale)
+
+
 def interpolate_bilinear(x: Tensor, size=None, scale_factor=None, align_corners: bool = False,
                          recompute_scale_factor: Optional[bool] = None) -> Tensor:
-    """F.interpolate(mode="bilinear") on [N, C, H, W] as two matrix products (no Resize node)."""
+    """F.interpolate(mode="bilinear") on [N, C, H, W] as two matrix products (no Resize node). With a scale
+    factor, the output size follows the input's (traced) size."""
     h, w = x.shape[-2:]
     scales = (None, None)
     if size is not None:
         oh, ow = _pair(size)
     else:
         sh, sw = _pair(scale_factor)
-        oh, ow = int(h * sh), int(w * sw)  # torch floors in double precision
+        oh, ow = _scaled(h, sh), _scaled(w, sw)
         if not recompute_scale_factor:
             scales = (sh, sw)
     wh = _linear_weights(h, oh, align_corners, scales[0], x)

@@ -33,6 +33,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from d2export.patching import jit_view
+
 RUNTIMES = ("onnxruntime", "tensorrt")
 _MISSING = object()
 
@@ -243,6 +245,7 @@ class FunctionPatch(Patch):
             descriptor = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
             original = raw.__func__ if descriptor else getattr(owner, attr)  # a classmethod's gets cls first
             patched = _counted(self.replacement, original, record)
+            jit_view.mirror(stack, patched, original)  # first: it reads torch.jit's tables before anything is set
             _set_attr(stack, owner, attr, descriptor(patched) if descriptor else patched)
             record.sites += 1
             if isinstance(owner, types.ModuleType):
