@@ -338,3 +338,34 @@ def test_torchscript_builtins_table_is_built_before_anything_is_patched(registry
         pass
     assert _builtins._find_builtin(torch.as_tensor) == "aten::as_tensor"
     assert _builtins._find_builtin(torch.inverse) == "aten::inverse"
+
+
+def _pooled(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.adaptive_avg_pool2d(x, (2, 3)) * 2
+
+
+def test_torchscript_sees_the_original_through_nested_scopes(registry, monkeypatch):
+    import weakref
+
+    monkeypatch.setattr(torch.jit._state, "_jit_caching_layer", weakref.WeakKeyDictionary())  # compile afresh
+    registry.register("outer", function="torch.nn.functional.adaptive_avg_pool2d", why="test")(lambda x, s: x * 0)
+    inner = PatchRegistry()
+    inner.register("inner", function="torch.nn.functional.adaptive_avg_pool2d", why="test")(lambda x, s: x * 0)
+    x = torch.rand(1, 2, 5, 7)
+    with registry.apply(), inner.apply():
+        scripted = torch.jit.script(_pooled)
+    assert torch.equal(scripted(x), _pooled(x))
+
+
+def _upsampled(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
+
+
+def test_torchscript_keeps_the_overloads_of_a_patched_function(registry):
+    """F.interpolate is declared with TorchScript overloads: scripted callers must still pick one of them."""
+    registry.register("interp", function="torch.nn.functional.interpolate", why="test")(
+        lambda *a, **k: NotImplemented)
+    x = torch.rand(1, 2, 3, 5)
+    with registry.apply():
+        scripted = torch.jit.script(_upsampled)
+    assert torch.equal(scripted(x), _upsampled(x))

@@ -10,7 +10,9 @@ alone, the compiler would compile d2export's wrappers and fail. It looks an obje
    original's entry;
 2. the boolean-dispatch table (`F.adaptive_max_pool2d` and its `return_indices` twins): the wrapper gets the
    original's entry;
-3. otherwise it compiles a Python function from source, after asking it `__prepare_scriptable__()` (the hook
+3. the compiled overloads of a function declared with `@torch.jit._overload` (`F.interpolate`): the original's are
+   compiled (torch compiles them on first use anyway) and the wrapper shares them;
+4. otherwise it compiles a Python function from source, after asking it `__prepare_scriptable__()` (the hook
    `torch.jit.script` honours for modules and functions): the wrapper answers with the original, so the original's
    source is compiled, with the original's globals.
 
@@ -38,7 +40,34 @@ def mirror(stack: contextlib.ExitStack, wrapper: Callable, original: Any) -> Non
     if entry is not None:
         dispatched[wrapper] = entry
         stack.callback(dispatched.pop, wrapper, None)
-    wrapper.__prepare_scriptable__ = lambda: original
+    overloads = _compiled_overloads(original)
+    if overloads is not None:
+        overloads[wrapper] = overloads[original]
+        stack.callback(overloads.pop, wrapper, None)
+    wrapper.__prepare_scriptable__ = lambda: _prepared(original)
+
+
+def _prepared(original):
+    """What TorchScript compiles for `original`: what its own hook answers (the original of an outer scope's wrapper),
+    else itself."""
+    prepare = getattr(original, "__prepare_scriptable__", None)
+    return prepare() if prepare is not None else original
+
+
+def _compiled_overloads(original):
+    """torch.jit's cache of compiled overloads, after compiling `original`'s if it has some; else None."""
+    import inspect
+
+    from torch import _jit_internal
+    from torch.jit import _script, _state
+
+    if not inspect.isfunction(original):
+        return None
+    pending = _jit_internal._get_fn_overloads(_jit_internal._qualified_name(original))
+    if pending is None and _state._try_get_jit_cached_overloads(original) is None:
+        return None
+    _script._get_overloads(original)  # compiles and caches them, as scripting a caller would
+    return _state._jit_function_overload_caching
 
 
 def _boolean_dispatched():
