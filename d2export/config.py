@@ -22,7 +22,7 @@ class ModelConfig:
     opts: List[str] = field(default_factory=list)  # detectron2 overrides: ["KEY", "VALUE", …]
     weights: Optional[str] = None  # None: seeded random weights (said loudly)
     seed: int = 0
-    # how outputs are read: "auto" detects it from the model; "text_spotter" (TESTR family) or "rcnn"
+    # the model family (d2export/families: testr, rcnn, …); "auto" tries each in turn on the built model
     family: str = "auto"
 
 

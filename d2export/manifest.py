@@ -27,7 +27,7 @@ class TensorSpec:
 @dataclass
 class Manifest:
     model_file: str
-    family: str  # "text_spotter" | "rcnn": how outputs are to be read
+    family: str  # the model family (d2export/families) that reads the outputs: "testr", "rcnn", …
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     opset: int

@@ -22,7 +22,7 @@ from d2export.exporting import lint as lint_mod
 from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
 from d2export.manifest import Manifest, TensorSpec, manifest_path, sha256_file, staged
-from d2export.tracing import dummy_images, graph_inputs, make_adapter, torch_inputs
+from d2export.tracing import dummy_images, graph_inputs, torch_inputs
 
 log = logging.getLogger("d2export")
 
@@ -34,11 +34,13 @@ class Built:
     cfg: D2ExportConfig
     d2cfg: object
     model: torch.nn.Module
+    family: "families.Family"
     adapter: torch.nn.Module
     swapped: list[str]
 
 
 def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
+    from d2export import families
     from d2export.patching import msda_swap
 
     root = Path(root or os.getcwd())
@@ -49,9 +51,15 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     model = building.build_model(cfg.model, d2cfg, root)
     swapped = msda_swap.swap(model) if cfg.plugin.swap_msda else []
     log.info("MSDA modules swapped for the traceable core: %d", len(swapped))
-    example = dummy_images(cfg.export.dummy_sizes, cfg.model.seed)
-    adapter = make_adapter(model, d2cfg, cfg.model.family, example, cfg.export.text_logits).eval()
-    return Built(cfg, d2cfg, model, adapter, swapped)
+    try:
+        family = families.recognise(model, cfg.model.family)
+    except families.FamilyError as e:
+        raise building.UserError(f"model.family={cfg.model.family}: {e}") from None
+    log.info("model family: %s (%s)", family.name, family.summary)
+    options = families.AdapterOptions(example=dummy_images(cfg.export.dummy_sizes, cfg.model.seed),
+                                      text_logits=cfg.export.text_logits)
+    adapter = family.adapter(model, d2cfg, options).eval()
+    return Built(cfg, d2cfg, model, family, adapter, swapped)
 
 
 def traced_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
@@ -78,7 +86,7 @@ def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
 def verification_cases(built: Built) -> list[verify_mod.Case]:
     sizes = verification_sizes(built.cfg)
     groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
-    if built.cfg.verify.batch and built.adapter.family != "rcnn":
+    if built.cfg.verify.batch and built.adapter.batchable:
         groups.append([sizes[0], sizes[2 if len(sizes) > 2 else -1]])
     cases = []
     for i, group in enumerate(groups):
@@ -132,10 +140,10 @@ def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
     if opset != e.opset:  # torch.export has no translations below 18 and keeps 18 when conversion fails
         log.warning("asked for opset %d, the exporter wrote opset %d", e.opset, opset)
     manifest = Manifest(
-        model_file=final.name, family=adapter.family,
+        model_file=final.name, family=built.family.name,
         inputs=_specs(graph.input), outputs=_specs(graph.output),
         opset=opset, exporter=e.exporter, sampler=e.sampler,
-        preprocess=_preprocess(built.d2cfg), postprocess=_postprocess(built.d2cfg, adapter.family),
+        preprocess=built.family.preprocess(built.d2cfg), postprocess=built.family.postprocess(built.d2cfg),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
         export_seconds=round(time.perf_counter() - started, 2), sha256=sha256_file(final),
@@ -220,23 +228,6 @@ def _specs(values) -> list[TensorSpec]:
         shape = [d.dim_param or d.dim_value for d in t.shape.dim]
         specs.append(TensorSpec(v.name, str(helper.tensor_dtype_to_np_dtype(t.elem_type)), shape, v.doc_string))
     return specs
-
-
-def _preprocess(d2cfg) -> dict:
-    return {"input_format": d2cfg.INPUT.FORMAT, "min_size_test": int(d2cfg.INPUT.MIN_SIZE_TEST),
-            "max_size_test": int(d2cfg.INPUT.MAX_SIZE_TEST), "pixel_mean": list(d2cfg.MODEL.PIXEL_MEAN),
-            "pixel_std": list(d2cfg.MODEL.PIXEL_STD)}
-
-
-def _postprocess(d2cfg, family: str) -> dict:
-    if family != "text_spotter":
-        return {"score_threshold": float(d2cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST)}
-    from d2export.charset import charset
-
-    t = d2cfg.MODEL.TRANSFORMER
-    return {"score_threshold": float(t.INFERENCE_TH_TEST), "voc_size": int(t.VOC_SIZE),
-            "num_chars": int(t.NUM_CHARS), "use_polygon": bool(t.USE_POLYGON),
-            "charset": "".join(charset(int(t.VOC_SIZE), str(getattr(t, "CUSTOM_DICT", "") or "")))}
 
 
 def _versions() -> dict:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from d2export.runtime.images import BadImage, ImageTooLarge, decode_image
-from d2export.runtime.predictor import Predictor, Prepared, ProviderUnavailable, bezier_polygon, resolve_providers
+from d2export.families._text import bezier_polygon
+from d2export.runtime.predictor import Predictor, Prepared, ProviderUnavailable, resolve_providers
 
 REPO = Path(__file__).resolve().parent.parent
 # original sizes: upscaled non-square, downscaled portrait, and one where max_size caps the long edge
@@ -118,13 +119,12 @@ def test_postprocess_scales_clips_and_decodes(predictor):
     outputs["char_scores"][0, 0, :3] = [0.9, 0.1, 0.6]
     outputs["char_scores"][0, 0, 3] = 0.3
     prepared = Prepared(np.zeros((3, 100, 200), np.uint8), height=50, width=400)  # x × 2, y × 0.5
-    predictor.use_polygon = True
     try:
         poly = predictor.postprocess(outputs, 0, prepared, score_threshold=0.5)
-        predictor.use_polygon = False
+        predictor.post["points"] = "bezier"
         bez = predictor.postprocess(outputs, 0, prepared, score_threshold=0.5)
     finally:
-        predictor.use_polygon = True
+        predictor.post["points"] = "polygon"
     (inst,) = poly.instances
     assert inst.text == "AB口" and inst.score == pytest.approx(0.9)
     assert inst.text_score == pytest.approx((0.9 + 0.6 + 0.3) / 3)
@@ -204,6 +204,7 @@ def test_runtime_imports_and_predicts_without_torch(tiny_export):
         "import d2export.runtime as rt\n"
         "import d2export.runtime.server, d2export.runtime.triton, d2export.runtime.infer, d2export.runtime.visualize\n"
         "import d2export.cli\n"
+        "from d2export import families; assert families.families()  # every family module's top level\n"
         f"p = rt.Predictor({str(tiny_export[2])!r}, threads=1)\n"
         "r = p.predict(np.full((100, 150, 3), 128, np.uint8))\n"
         "assert (r.height, r.width) == (100, 150) and r.instances\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import import_module
 
 _LAZY = {
-    "Predictor": "predictor", "Prediction": "predictor", "TextInstance": "predictor",
+    "Predictor": "predictor", "Prediction": "predictor", "Instance": "predictor", "TextInstance": "predictor",
     "ProviderUnavailable": "predictor", "BadImage": "images", "decode_image": "images", "read_image": "images",
     "draw_prediction": "visualize", "create_app": "server", "write_repository": "triton", "parse_pbtxt": "triton",
 }

@@ -1,21 +1,23 @@
-"""The onnxruntime predictor: a picture in its original size → scored polygons and text in that picture's pixels.
+"""The onnxruntime predictor: a picture in its original size → the instances found, in that picture's pixels.
 
 It reproduces detectron2's DefaultPredictor around the exported graph: the picture converted to the model's pixel
 format, resized by ResizeShortestEdge(min_size_test, max_size_test), fed with the original size as the output size;
-the graph returns points in resized-input pixels, which are scaled back to the original picture here. The session is
-built once; `run` is safe to call from several threads.
+the graph returns coordinates in resized-input pixels, and the model's family (named by the manifest,
+d2export/families) turns them into `Instance`s of the original picture. The session is built once; `run` is safe to
+call from several threads.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from d2export.charset import decode
+from d2export import families
 from d2export.imaging import pad_batch, resize_shortest_edge
+from d2export.instances import Instance, Prediction, TextInstance  # noqa: F401 - the runtime's public types
 from d2export.manifest import Manifest, manifest_path
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
@@ -24,34 +26,6 @@ PIXEL_FORMATS = ("RGB", "BGR")
 
 class ProviderUnavailable(RuntimeError):
     pass
-
-
-@dataclass
-class TextInstance:
-    score: float
-    label: int
-    polygon: list[list[float]]  # [[x, y], …] in the original picture's pixels
-    text: str
-    text_score: float  # mean probability of the characters kept (0 when none)
-    beziers: list[list[float]] | None = None  # the 8 Bézier control points, for Bézier-mode models
-
-
-@dataclass
-class Prediction:
-    height: int  # the original picture's size
-    width: int
-    instances: list[TextInstance] = field(default_factory=list)
-
-    def to_dict(self, decimals: int = 2) -> dict[str, Any]:
-        """JSON-ready; coordinates rounded to `decimals` (a hundredth of a pixel by default)."""
-        d = asdict(self)
-        for inst in d["instances"]:
-            for key in ("polygon", "beziers"):
-                if inst[key] is None:
-                    del inst[key]
-                else:
-                    inst[key] = [[round(x, decimals), round(y, decimals)] for x, y in inst[key]]
-        return d
 
 
 @dataclass
@@ -80,14 +54,6 @@ def resolve_providers(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(chosen + [PROVIDERS["cpu"]]))
 
 
-def bezier_polygon(ctrl: np.ndarray, samples: int = 10) -> np.ndarray:
-    """TESTR's Bézier mode: 8 control points (a cubic along the top, left → right, then one along the bottom,
-    right → left) → a closed outline of 2 × samples points."""
-    t = np.linspace(0.0, 1.0, samples)[:, None]
-    basis = np.concatenate([(1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t**2 * (1 - t), t**3], axis=1)  # [S, 4]
-    return np.concatenate([basis @ ctrl[:4], basis @ ctrl[4:]], axis=0)
-
-
 class Predictor:
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
                  score_threshold: float | None = None, provider_options: Sequence[dict] | None = None,
@@ -99,9 +65,7 @@ class Predictor:
 
         self.model_path = Path(model_path)
         self.manifest = Manifest.read(manifest_path(self.model_path))
-        if self.manifest.family != "text_spotter":
-            raise ValueError(f"{self.model_path}: family {self.manifest.family!r}; the predictor reads text "
-                             "spotters' outputs (scores, ctrl_points, char_ids, …) only")
+        self.family = families.get(self.manifest.family)
         pre, post = self.manifest.preprocess, self.manifest.postprocess
         self.input_format = pre.get("input_format", "BGR")
         if self.input_format not in PIXEL_FORMATS:
@@ -109,8 +73,7 @@ class Predictor:
         self.min_size = int(pre.get("min_size_test", 0) if min_size is None else min_size)
         self.max_size = int(pre.get("max_size_test", 0) if max_size is None else max_size)
         self.score_threshold = float(post.get("score_threshold", 0.0) if score_threshold is None else score_threshold)
-        self.chars = list(post.get("charset", ""))
-        self.use_polygon = bool(post.get("use_polygon", True))
+        self.post = dict(post)
         self.input_dtypes = {t.name: np.dtype(t.dtype) for t in self.manifest.inputs}
         self.output_names = [t.name for t in self.manifest.outputs]
 
@@ -150,28 +113,12 @@ class Predictor:
     # post-processing -----------------------------------------------------------------------------------------------
     def postprocess(self, outputs: dict[str, np.ndarray], index: int, prepared: Prepared,
                     score_threshold: float | None = None) -> Prediction:
-        """Row `index` of a batch's outputs → the picture's instances: threshold (≥, as TESTR), points back to the
-        original picture, text decoded with the model's character set."""
+        """Row `index` of a batch's outputs → the picture's instances, by the model's family: thresholded (≥),
+        coordinates back in the original picture's pixels."""
         threshold = self.score_threshold if score_threshold is None else score_threshold
-        h, w = prepared.chw.shape[1:]
-        scale = np.array([prepared.width / w, prepared.height / h])
-        scores = outputs["scores"][index]
-        instances = []
-        for k in np.flatnonzero(scores >= threshold):
-            ids, probs = outputs["char_ids"][index, k], outputs["char_scores"][index, k]
-            kept = (ids >= 0) & (ids < len(self.chars))
-            points = outputs["ctrl_points"][index, k].astype(np.float64)
-            beziers = None
-            if not self.use_polygon:  # TESTR clips the curves' end points to the input before scaling
-                ends = [0, 3, 4, 7]
-                points[ends] = np.clip(points[ends], 0, [w, h])
-                beziers = (points * scale).tolist()
-                points = bezier_polygon(points)
-            instances.append(TextInstance(
-                score=float(scores[k]), label=int(outputs["labels"][index, k]),
-                polygon=(points * scale).tolist(), text=decode(ids.tolist(), self.chars),
-                text_score=float(probs[kept].mean()) if kept.any() else 0.0, beziers=beziers))
-        return Prediction(prepared.height, prepared.width, instances)
+        found = self.family.instances(outputs, index, prepared.chw.shape[1:], (prepared.height, prepared.width),
+                                      self.post, threshold)
+        return Prediction(prepared.height, prepared.width, found)
 
     # all together --------------------------------------------------------------------------------------------------
     def predict_prepared(self, prepared: Sequence[Prepared],

@@ -1,16 +1,35 @@
-"""A picture of a prediction: polygons outlined and their text written beside them, on the original picture."""
+"""A picture of a prediction: outlines (polygons, boxes, boundaries, centre lines) and labels, on the original picture.
+Generic over `Instance` fields, so every family draws without code of its own."""
 from __future__ import annotations
 
 import colorsys
 
 import numpy as np
 
-from d2export.runtime.predictor import Prediction
+from d2export.instances import Instance, Prediction
 
 
 def _colour(i: int) -> tuple[int, int, int]:
     r, g, b = colorsys.hsv_to_rgb((i * 0.618034) % 1.0, 0.85, 0.95)  # golden-ratio hues: neighbours differ
     return int(r * 255), int(g * 255), int(b * 255)
+
+
+def _label(inst: Instance, show_scores: bool) -> str:
+    name = inst.text if inst.text is not None else (inst.class_name or "")
+    return (name + (f" {inst.score:.2f}" if show_scores else "")).strip()
+
+
+def _outlines(inst: Instance) -> list[tuple[list[tuple[float, float]], bool]]:
+    """(points, closed) for everything the instance outlines."""
+    shapes = []
+    if inst.box is not None:
+        x0, y0, x1, y1 = inst.box
+        shapes.append(([(x0, y0), (x1, y0), (x1, y1), (x0, y1)], True))
+    if inst.boundary:
+        shapes.append(([tuple(p[:2]) for p in inst.boundary], True))
+    if inst.polygon:
+        shapes.append(([tuple(p[:2]) for p in inst.polygon], inst.closed))
+    return shapes
 
 
 def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool = True):
@@ -27,12 +46,16 @@ def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool
     width = max(1, min(canvas.size) // 300)
     for i, inst in enumerate(prediction.instances):
         colour = _colour(i)
-        points = [tuple(p) for p in inst.polygon]
-        if len(points) >= 2:
-            draw.line(points + points[:1], fill=colour, width=width)
-        label = inst.text + (f" {inst.score:.2f}" if show_scores else "")
-        if label and points:
-            x, y = min(p[0] for p in points), min(p[1] for p in points)
+        shapes = _outlines(inst)
+        for points, closed in shapes:
+            if len(points) >= 2:
+                draw.line(points + (points[:1] if closed else []), fill=colour, width=width)
+        for x, y, *_ in inst.keypoints or []:
+            draw.ellipse((x - width - 1, y - width - 1, x + width + 1, y + width + 1), fill=colour)
+        label = _label(inst, show_scores)
+        anchor = [p for points, _ in shapes for p in points]
+        if label and anchor:
+            x, y = min(p[0] for p in anchor), min(p[1] for p in anchor)
             box = draw.textbbox((x, y), label, font=font, anchor="lb")
             draw.rectangle(box, fill=colour)
             draw.text((x, y), label, fill=(0, 0, 0), font=font, anchor="lb")

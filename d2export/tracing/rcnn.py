@@ -19,7 +19,7 @@ def _inference(model, inputs):
 
 
 class RCNNAdapter(nn.Module):
-    family = "rcnn"
+    batchable = False  # one image per call: the graph's input is [3, H, W]
 
     def __init__(self, model: nn.Module, example: np.ndarray):
         from detectron2.export import TracingAdapter
@@ -48,6 +48,11 @@ class RCNNAdapter(nn.Module):
         axes = {"image": {1: "height", 2: "width"}}
         axes.update({name: {0: "detections"} for name in self._outputs[:-1]})
         return axes
+
+    def graph_inputs(self, images: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
+        if len(images) != 1:
+            raise ValueError("the R-CNN export takes one image at a time")
+        return {"image": images[0].astype(np.float32)}
 
     def forward(self, image):
         return self.inner(image)

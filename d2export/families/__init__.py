@@ -1,0 +1,139 @@
+"""Model families: how d2export recognises, adapts and reads each kind of model, one module per family.
+
+A family module in this package (or an installed package's entry point in the `d2export.families` group) defines
+`FAMILY`, an instance of a `Family` subclass. It says, as data plus a few small methods:
+- how to recognise a built model by what it has (`missing`: None when the model is one, else what it lacks);
+- how the tracing adapter runs it from `images` [N,3,H,W] uint8 + `image_sizes` [N,2] (`adapter`);
+- the manifest's pre- and post-processing sections (`preprocess`, `postprocess`);
+- the torch-free post-processing of graph outputs into `Instance`s at serving time (`instances`).
+The pipeline, the runtime and the CLI look families up here and never branch on a family's name, so a new family is
+one new module. Module top levels stay torch-free (the runtime imports them); torch is imported inside the export-side
+methods.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from d2export.instances import Instance
+
+ENTRY_POINT_GROUP = "d2export.families"
+
+
+class FamilyError(ValueError):
+    """No family fits the model, or the one asked for does not: the message names each family and what it missed."""
+
+
+@dataclass
+class AdapterOptions:
+    example: Sequence[np.ndarray] = field(default_factory=list)  # the export's dummy images (CHW uint8)
+    text_logits: bool = False  # text spotters: also output the raw recognition logits
+
+
+class Family:
+    name: str = ""
+    aliases: tuple[str, ...] = ()  # older names found in manifests
+    summary: str = ""  # one line for help texts
+    priority: int = 50  # `auto` tries families in ascending priority: specific ones before general ones
+
+    # export side (torch may be imported inside these) ------------------------------------------------------------
+    def missing(self, model) -> str | None:
+        """None when `model` (a built detectron2 model) belongs to this family; else a short phrase of what it lacks."""
+        raise NotImplementedError
+
+    def adapter(self, model, cfg, options: AdapterOptions):
+        """The torch.nn.Module traced for export: named inputs → flat output tensors (see d2export/tracing)."""
+        raise NotImplementedError
+
+    def preprocess(self, cfg) -> dict[str, Any]:
+        """The manifest's pre-processing: detectron2's test-time transform, from a yacs config by default."""
+        return {"input_format": cfg.INPUT.FORMAT, "min_size_test": int(cfg.INPUT.MIN_SIZE_TEST),
+                "max_size_test": int(cfg.INPUT.MAX_SIZE_TEST), "pixel_mean": list(cfg.MODEL.PIXEL_MEAN),
+                "pixel_std": list(cfg.MODEL.PIXEL_STD)}
+
+    def postprocess(self, cfg) -> dict[str, Any]:
+        """The manifest's post-processing section: what `instances` needs (threshold, charset, class names, …)."""
+        return {}
+
+    # serving side (numpy only) ------------------------------------------------------------------------------------
+    def instances(self, outputs: dict[str, np.ndarray], index: int, input_hw: tuple[int, int],
+                  original_hw: tuple[int, int], post: dict[str, Any], threshold: float) -> list[Instance]:
+        """Row `index` of a batch's outputs → instances in the original picture's pixels. `input_hw` is the size
+        the picture had in the graph (after resizing), `original_hw` its size before."""
+        raise NotImplementedError(f"family {self.name!r} has no serving-side post-processing")
+
+    def __repr__(self) -> str:
+        return f"<family {self.name}>"
+
+
+@functools.lru_cache(maxsize=1)
+def _registry() -> dict[str, Family]:
+    found: list[Family] = []
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            found.append(importlib.import_module(f"{__name__}.{info.name}").FAMILY)
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found.append(ep.load())
+    return {f.name: f for f in sorted(found, key=lambda f: (f.priority, f.name))}
+
+
+def families() -> list[Family]:
+    """Every known family, in the order `auto` tries them."""
+    return list(_registry().values())
+
+
+def get(name: str) -> Family:
+    """A family by its name (or an older alias), as the manifest records it."""
+    for family in families():
+        if name == family.name or name in family.aliases:
+            return family
+    raise FamilyError(f"unknown model family {name!r}; known: {', '.join(names())}")
+
+
+def names() -> list[str]:
+    return [f.name for f in families()]
+
+
+def recognise(model, requested: str = "auto") -> Family:
+    """The family of a built model: the one asked for (checked), or with "auto" the first that fits."""
+    candidates = families() if requested == "auto" else [get(requested)]
+    misses = []
+    for family in candidates:
+        lacks = family.missing(model)
+        if lacks is None:
+            return family
+        misses.append(f"{family.name}: {lacks}")
+    what = type(model).__name__
+    raise FamilyError(f"{what} is not a model of family {requested!r} ({misses[0]})" if requested != "auto" else
+                      f"no model family fits {what}: " + "; ".join(misses))
+
+
+def find_child(model, attrs: Sequence[str], also_self: bool = False) -> tuple[str, Any]:
+    """The first child module (or the model itself) that has every attribute in `attrs`: how a family finds a
+    model's head by duck typing. Raises FamilyError naming the attributes the closest candidate lacks."""
+    candidates = ([("", model)] if also_self else []) + list(model.named_children())
+    best, best_missing = None, list(attrs)
+    for name, module in candidates:
+        lacking = [a for a in attrs if not hasattr(module, a)]
+        if not lacking:
+            return name, module
+        if len(lacking) < len(best_missing):
+            best, best_missing = name, lacking
+    where = f"its child {best!r}" if best else "no child"
+    raise FamilyError(f"needs a module with {', '.join(attrs)} ({where} lacks {', '.join(best_missing)})")
+
+
+def lacks(model, attrs: Sequence[str], also_self: bool = False) -> str | None:
+    """`find_child` as a `Family.missing` answer."""
+    try:
+        find_child(model, attrs, also_self)
+        return None
+    except FamilyError as e:
+        return str(e)

@@ -1,0 +1,92 @@
+"""What the AdelaiDet-lineage text spotters (TESTR, DPText-DETR, DeepSolo) share: scores as their own `inference()`
+computes them, points in input pixels, best character per slot — and, on the serving side, thresholding, rescaling to
+the original picture and text decoding. Module top level stays torch-free (the runtime imports it).
+
+Graph outputs (K = all queries; thresholding on the host):
+- `scores` [N, K]: sigmoid of the mean control-point logit, max over classes; `labels` [N, K] its class;
+- `ctrl_points` [N, K, P, 2]: control points (x, y) in input-image pixels;
+- `char_ids` / `char_scores` [N, K, T]: best character per slot and its probability (id ≥ len(charset): none);
+- `bd_points` [N, K, P, 4]: boundary points (upper x, y, lower x, y) in input pixels, where the model has them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from d2export.instances import Instance
+
+SCORE_DOC = "instance confidence: sigmoid of the mean control-point logit, max over classes"
+
+
+def scores_labels(pred_logits):
+    """[N, K, P, C] control-point logits → ([N, K] scores, [N, K] labels), as the models' inference() does."""
+    return pred_logits.mean(-2).sigmoid().max(-1)
+
+
+def to_pixels(points, image_sizes):
+    """[N, K, P, 2·j] normalised (x, y, x, y, …) → input pixels, each image by its own size."""
+    wh = image_sizes.flip(-1).to(points.dtype)
+    wh = wh.repeat(1, points.shape[-1] // 2)[:, None, None, :]
+    return points * wh
+
+
+def best_chars(text_logits):
+    """[N, K, T, V] logits → ([N, K, T] ids, [N, K, T] probabilities)."""
+    probs, ids = text_logits.softmax(-1).max(-1)
+    return ids, probs
+
+
+def text_postprocess(transformer_cfg, points: str) -> dict[str, Any]:
+    """The manifest's post-processing for a text spotter: threshold, point layout and, where it reads text, the
+    character set. `points`: "polygon" (closed outline), "bezier" (8 control points) or "centre_line" (open)."""
+    from d2export.charset import charset
+
+    t = transformer_cfg
+    post = {"score_threshold": float(t.INFERENCE_TH_TEST), "points": points,
+            "use_polygon": points != "bezier"}  # use_polygon: what manifests of the first release carry
+    if hasattr(t, "VOC_SIZE"):
+        post |= {"voc_size": int(t.VOC_SIZE), "num_chars": int(getattr(t, "NUM_CHARS", 25)),
+                 "charset": "".join(charset(int(t.VOC_SIZE), str(getattr(t, "CUSTOM_DICT", "") or "")))}
+    return post
+
+
+def bezier_polygon(ctrl: np.ndarray, samples: int = 10) -> np.ndarray:
+    """TESTR's Bézier mode: 8 control points (a cubic along the top, left → right, then one along the bottom,
+    right → left) → a closed outline of 2 × samples points."""
+    t = np.linspace(0.0, 1.0, samples)[:, None]
+    basis = np.concatenate([(1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t**2 * (1 - t), t**3], axis=1)  # [S, 4]
+    return np.concatenate([basis @ ctrl[:4], basis @ ctrl[4:]], axis=0)
+
+
+def text_instances(outputs: dict[str, np.ndarray], index: int, input_hw: tuple[int, int],
+                   original_hw: tuple[int, int], post: dict[str, Any], threshold: float) -> list[Instance]:
+    """Threshold (≥, as the models do), points back to the original picture, text decoded with the charset."""
+    from d2export.charset import decode
+
+    h, w = input_hw
+    scale = np.array([original_hw[1] / w, original_hw[0] / h])
+    layout = post.get("points") or ("polygon" if post.get("use_polygon", True) else "bezier")
+    chars = list(post.get("charset", ""))
+    scores = outputs["scores"][index]
+    instances = []
+    for k in np.flatnonzero(scores >= threshold):
+        points = outputs["ctrl_points"][index, k].astype(np.float64)
+        inst = Instance(score=float(scores[k]), label=int(outputs["labels"][index, k]))
+        if layout == "bezier":  # TESTR clips the curves' end points to the input before scaling
+            ends = [0, 3, 4, 7]
+            points[ends] = np.clip(points[ends], 0, [w, h])
+            inst.beziers = (points * scale).tolist()
+            points = bezier_polygon(points)
+        inst.polygon = (points * scale).tolist()
+        inst.closed = layout != "centre_line"
+        if "bd_points" in outputs:
+            bd = outputs["bd_points"][index, k].astype(np.float64)
+            inst.boundary = (np.concatenate([bd[:, :2], bd[::-1, 2:]]) * scale).tolist()
+        if "char_ids" in outputs:
+            ids, probs = outputs["char_ids"][index, k], outputs["char_scores"][index, k]
+            kept = (ids >= 0) & (ids < len(chars))
+            inst.text = decode(ids.tolist(), chars)
+            inst.text_score = float(probs[kept].mean()) if kept.any() else 0.0
+        instances.append(inst)
+    return instances

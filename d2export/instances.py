@@ -1,0 +1,52 @@
+"""What a served model found, in the original picture's pixels: one `Instance` per detection, whatever the family.
+
+Torch-free: family modules build these from graph outputs (numpy) and the runtime serialises and draws them. Fields a
+family does not produce stay None and are left out of the JSON.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_POINT_LISTS = ("polygon", "beziers", "boundary", "keypoints")
+
+
+@dataclass
+class Instance:
+    score: float
+    label: int
+    class_name: str | None = None  # from the dataset's metadata, where the manifest knows it
+    box: list[float] | None = None  # [x0, y0, x1, y1]
+    polygon: list[list[float]] | None = None  # [[x, y], …]: an outline, or a text centre line (see `closed`)
+    closed: bool = True  # False: `polygon` is an open polyline (DeepSolo's centre line)
+    text: str | None = None
+    text_score: float | None = None  # mean probability of the characters kept (0 when none)
+    beziers: list[list[float]] | None = None  # 8 Bézier control points, for Bézier-mode text spotters
+    boundary: list[list[float]] | None = None  # a closed outline around a centre line
+    keypoints: list[list[float]] | None = None  # [[x, y, score], …]
+    mask: dict[str, Any] | None = None  # {"size": [h, w], "counts": …}: COCO run-length encoding
+
+
+TextInstance = Instance  # the name the first release used
+
+
+@dataclass
+class Prediction:
+    height: int  # the original picture's size
+    width: int
+    instances: list[Instance] = field(default_factory=list)
+
+    def to_dict(self, decimals: int = 2) -> dict[str, Any]:
+        """JSON-ready; coordinates rounded to `decimals` (a hundredth of a pixel by default); absent fields dropped."""
+        d = asdict(self)
+        for inst in d["instances"]:
+            for key in [k for k, v in inst.items() if v is None]:
+                del inst[key]
+            for key in _POINT_LISTS:
+                if key in inst:
+                    inst[key] = [[round(v, decimals) for v in p] for p in inst[key]]
+            if "box" in inst:
+                inst["box"] = [round(v, decimals) for v in inst["box"]]
+            if inst.get("closed", True):
+                inst.pop("closed", None)
+        return d
