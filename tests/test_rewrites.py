@@ -423,14 +423,14 @@ def test_rewrite_is_size_general_through_apply_patches(name, target, fn, make, d
             np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-4, atol=1e-4, err_msg=f"{h}x{w}")
 
 
-# Patches of a model's modules need that model: the tiny TESTR-architecture export applies each of them (tests/
-# test_export_pipeline.py::test_patch_report_shows_the_msda_swap_and_rewrites) and matches eager at the transposed,
-# non-square and unseen sizes (::test_tiny_export_is_verified_and_described, ::test_dynamic_shapes_match_eager_...).
-EXPORTED_WITH_THE_TINY_MODEL = {"msda-core", "padding-mask-from-sizes", "reference-points-per-level",
-                                "encoder-proposals-per-level"}
+# Patches of a model's modules need that model: tests/test_adet_family.py::test_family_module_patches_are_size_
+# general_through_apply_patches exports the stand-in's modules at one size and runs them at others (TorchScript-based
+# exporter); tests/test_export_pipeline.py::test_torch_export_based_exporter_is_size_and_batch_general does the same
+# for the whole tiny model through torch.export, where reference points and proposals fail to export without them.
+MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-level", "encoder-proposals-per-level"}
 
 
 def test_every_registered_patch_has_a_size_general_test():
-    untested = {p.name for p in REGISTRY} - set(SIZE_GENERAL) - EXPORTED_WITH_THE_TINY_MODEL
+    untested = {p.name for p in REGISTRY} - set(SIZE_GENERAL) - MODULE_PATCHES
     assert not untested, f"add a case to SIZE_GENERAL for {sorted(untested)}"
-    assert all(REGISTRY[name].kind == "module" for name in EXPORTED_WITH_THE_TINY_MODEL)
+    assert all(REGISTRY[name].kind == "module" for name in MODULE_PATCHES)
