@@ -12,7 +12,7 @@ so a serving image needs only onnxruntime, numpy and Pillow. The names below loa
 """
 __version__ = "0.1.0"
 
-DEFAULT_COMPILED_OPS = ("adet._C", "MultiScaleDeformableAttention")
+DEFAULT_COMPILED_OPS = ("adet._C", "detrex._C", "MultiScaleDeformableAttention")
 
 
 def activate(compiled_ops=DEFAULT_COMPILED_OPS):

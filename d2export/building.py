@@ -43,6 +43,18 @@ def import_user_code(model: ModelConfig, plugin: PluginConfig, root: Path) -> No
             raise UserError(f"model.imports: importing {name!r} failed: {type(e).__name__}: {e}") from e
 
 
+def load_config(model: ModelConfig, root: Path) -> Any:
+    """The model's own config: a yacs CfgNode (model.d2_config) or a LazyConfig (model.lazy_config)."""
+    if model.lazy_config is None:
+        return load_d2_config(model, root)
+    from d2export import lazyconfig
+
+    try:
+        return lazyconfig.load(root / model.lazy_config, model.lazy_overrides)
+    except lazyconfig.LazyConfigError as e:
+        raise UserError(str(e)) from e
+
+
 def load_d2_config(model: ModelConfig, root: Path) -> Any:
     path = root / model.d2_config
     if not path.is_file():
@@ -59,7 +71,14 @@ def load_d2_config(model: ModelConfig, root: Path) -> Any:
     return cfg
 
 
-def build_model(model: ModelConfig, d2cfg: Any, root: Path) -> torch.nn.Module:
+def _instantiate(model: ModelConfig, d2cfg: Any) -> torch.nn.Module:
+    if model.lazy_config is not None:
+        from d2export import lazyconfig
+
+        try:
+            return lazyconfig.build(d2cfg)
+        except lazyconfig.LazyConfigError as e:
+            raise UserError(str(e)) from e
     from detectron2.modeling import META_ARCH_REGISTRY
     from detectron2.modeling import build_model as d2_build
 
@@ -67,8 +86,12 @@ def build_model(model: ModelConfig, d2cfg: Any, root: Path) -> torch.nn.Module:
     if arch not in META_ARCH_REGISTRY:
         known = ", ".join(sorted(k for k, _ in META_ARCH_REGISTRY))
         raise UserError(f"unknown meta-architecture {arch!r} (is model.imports right?); registered: {known}")
+    return d2_build(d2cfg)
+
+
+def build_model(model: ModelConfig, d2cfg: Any, root: Path) -> torch.nn.Module:
     torch.manual_seed(model.seed)
-    net = d2_build(d2cfg).eval()
+    net = _instantiate(model, d2cfg).eval()
     if model.weights:
         path = root / model.weights
         if not path.is_file():

@@ -5,8 +5,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
-from omegaconf import MISSING
-
 from d2export import DEFAULT_COMPILED_OPS
 
 
@@ -18,8 +16,11 @@ class ModelConfig:
     imports: List[str] = field(default_factory=list)
     # "module:function" returning a detectron2 CfgNode with the project's keys added
     cfg_factory: str = "detectron2.config:get_cfg"
-    d2_config: str = MISSING  # the project's detectron2 YAML
+    d2_config: Optional[str] = None  # the project's detectron2 YAML (yacs) …
     opts: List[str] = field(default_factory=list)  # detectron2 overrides: ["KEY", "VALUE", …]
+    # … or a LazyConfig python file (detrex's `model = L(DeformableDETR)(...)`) and its "key=value" overrides
+    lazy_config: Optional[str] = None
+    lazy_overrides: List[str] = field(default_factory=list)
     weights: Optional[str] = None  # None: seeded random weights (said loudly)
     seed: int = 0
     # the model family (d2export/families: testr, rcnn, …); "auto" tries each in turn on the built model
@@ -88,7 +89,10 @@ def resolve(cfg: Any) -> D2ExportConfig:
     from omegaconf import OmegaConf
 
     obj: D2ExportConfig = OmegaConf.to_object(cfg) if not isinstance(cfg, D2ExportConfig) else cfg
-    e = obj.export
+    m, e = obj.model, obj.export
+    if (m.d2_config is None) == (m.lazy_config is None):
+        raise ValueError("give exactly one of model.d2_config (a yacs YAML) and model.lazy_config (a LazyConfig .py)"
+                         f", got {'both' if m.d2_config else 'neither'}")
     if e.exporter not in ("torchscript", "dynamo"):
         raise ValueError(f"export.exporter={e.exporter!r}: choose torchscript or dynamo")
     if e.target not in ("onnxruntime", "tensorrt"):

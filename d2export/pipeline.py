@@ -46,8 +46,8 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     root = Path(root or os.getcwd())
     _step(1, "importing user code", ", ".join(cfg.model.imports) or "-")
     building.import_user_code(cfg.model, cfg.plugin, root)
-    _step(2, "building the model", cfg.model.d2_config)
-    d2cfg = building.load_d2_config(cfg.model, root)
+    _step(2, "building the model", cfg.model.lazy_config or cfg.model.d2_config)
+    d2cfg = building.load_config(cfg.model, root)
     model = building.build_model(cfg.model, d2cfg, root)
     swapped = msda_swap.swap(model) if cfg.plugin.swap_msda else []
     log.info("MSDA modules swapped for the traceable core: %d", len(swapped))

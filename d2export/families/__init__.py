@@ -51,7 +51,11 @@ class Family:
         raise NotImplementedError
 
     def preprocess(self, cfg) -> dict[str, Any]:
-        """The manifest's pre-processing: detectron2's test-time transform, from a yacs config by default."""
+        """The manifest's pre-processing: detectron2's test-time transform, from a yacs config or a LazyConfig."""
+        from d2export import lazyconfig
+
+        if lazyconfig.is_lazy(cfg):
+            return lazyconfig.preprocess(cfg)
         return {"input_format": cfg.INPUT.FORMAT, "min_size_test": int(cfg.INPUT.MIN_SIZE_TEST),
                 "max_size_test": int(cfg.INPUT.MAX_SIZE_TEST), "pixel_mean": list(cfg.MODEL.PIXEL_MEAN),
                 "pixel_std": list(cfg.MODEL.PIXEL_STD)}

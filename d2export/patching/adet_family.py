@@ -79,7 +79,9 @@ def has_mask_out_padding(module) -> bool:
 
 
 def has_reference_points(module) -> bool:
-    return callable(getattr(type(module), "get_reference_points", None)) and hasattr(module, "layers")
+    """An encoder (AdelaiDet) or a whole transformer (detrex) with the static `get_reference_points`."""
+    return callable(getattr(type(module), "get_reference_points", None)) and (hasattr(module, "layers")
+                                                                              or hasattr(module, "encoder"))
 
 
 def has_encoder_proposals(module) -> bool:

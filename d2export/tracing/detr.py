@@ -33,16 +33,16 @@ class ImageBatch:
 
 
 class DetrAdapter(nn.Module):
-    """`model.<head_name>(image_list)` → dict of raw outputs → `decode(raw, image_sizes)` → flat tensors."""
+    """`head(image_list)` → dict of raw outputs → `decode(raw, image_sizes)` → flat tensors. `head`: the name of the
+    model's child that takes an ImageList, or a module doing that job for models whose forward has no such part."""
 
     batchable = True  # mixed-size batches are exact: padding masks come from image_sizes
 
-    def __init__(self, model: nn.Module, head_name: str, decode: Callable[[dict, Tensor], tuple],
+    def __init__(self, model: nn.Module, head: str | nn.Module, decode: Callable[[dict, Tensor], tuple],
                  output_names: Sequence[str], pixel_mean: Sequence[float], pixel_std: Sequence[float]):
         super().__init__()
         self.model = model
-        self.head_name = head_name
-        self.head = getattr(model, head_name)
+        self.head = getattr(model, head) if isinstance(head, str) else head
         self.decode = decode
         self._output_names = tuple(output_names)
         self.register_buffer("pixel_mean", torch.tensor(pixel_mean, dtype=torch.float32).view(1, -1, 1, 1), False)

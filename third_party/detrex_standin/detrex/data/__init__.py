@@ -1,0 +1,3 @@
+from .detr_dataset_mapper import DetrDatasetMapper
+
+__all__ = ["DetrDatasetMapper"]

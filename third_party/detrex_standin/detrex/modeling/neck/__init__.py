@@ -1,0 +1,3 @@
+from .channel_mapper import ChannelMapper
+
+__all__ = ["ChannelMapper"]

@@ -1,0 +1,3 @@
+from .misc import inverse_sigmoid
+
+__all__ = ["inverse_sigmoid"]
