@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from d2export.diagnose import diagnose_main
 
     commands = {"export": export_main, "infer": runtime.infer_main, "serve": runtime.serve_main,
-                "triton-repo": runtime.triton_main, "diagnose": diagnose_main}
+                "triton-repo": runtime.triton_main, "batch": runtime.batch_main, "diagnose": diagnose_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print("usage: d2export {" + ",".join(commands) + "} …", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -1,4 +1,4 @@
-"""Serving an exported model: onnxruntime predictor, pictures, HTTP server, Triton model repository.
+"""Serving an exported model: onnxruntime predictor, pictures, HTTP server, Triton model repository, batch jobs.
 
 Imports neither torch nor detectron2: a serving image needs only onnxruntime, numpy and Pillow (FastAPI and uvicorn
 for the server). Everything about the model comes from the manifest beside the .onnx file. Names resolve lazily so
@@ -10,7 +10,7 @@ from importlib import import_module
 
 _LAZY = {
     "Predictor": "predictor", "Prediction": "predictor", "Instance": "predictor", "TextInstance": "predictor",
-    "ProviderUnavailable": "predictor", "BadImage": "images", "decode_image": "images", "read_image": "images",
+    "ProviderUnavailable": "predictor", "Processing": "predictor", "BadImage": "images", "decode_image": "images", "read_image": "images",
     "draw_prediction": "visualize", "create_app": "server", "write_repository": "triton", "parse_pbtxt": "triton",
 }
 
@@ -29,6 +29,11 @@ def infer_main(argv: list[str] | None = None) -> int:
 def serve_main(argv: list[str] | None = None) -> int:
     """`d2export serve`: the HTTP server."""
     return import_module(f"{__name__}.server").main(argv)
+
+
+def batch_main(argv: list[str] | None = None) -> int:
+    """`d2export batch`: a picture corpus through Ray Data, one row per picture."""
+    return import_module(f"{__name__}.batch").main(argv)
 
 
 def triton_main(argv: list[str] | None = None) -> int:

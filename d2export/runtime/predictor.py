@@ -54,19 +54,17 @@ def resolve_providers(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(chosen + [PROVIDERS["cpu"]]))
 
 
-class Predictor:
-    def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
-                 score_threshold: float | None = None, provider_options: Sequence[dict] | None = None,
-                 min_size: int | None = None, max_size: int | None = None):
-        """`threads`: onnxruntime's intra-op threads (0: its default, one per core). `score_threshold`, `min_size`
-        and `max_size` override the manifest's (as INPUT.MIN_SIZE_TEST/MAX_SIZE_TEST would: the graph takes any
-        size). The manifest (`model.manifest.json` beside the model) says everything else."""
-        import onnxruntime as ort
+class Processing:
+    """The model's pre- and post-processing as its manifest describes them, without a session: cheap to build and to
+    pickle, so Ray tasks and Triton's Python backend run the very code the predictor runs."""
 
-        self.model_path = Path(model_path)
-        self.manifest = Manifest.read(manifest_path(self.model_path))
-        self.family = families.get(self.manifest.family)
-        pre, post = self.manifest.preprocess, self.manifest.postprocess
+    def __init__(self, manifest: Manifest, score_threshold: float | None = None, min_size: int | None = None,
+                 max_size: int | None = None):
+        """`score_threshold`, `min_size` and `max_size` override the manifest's (as INPUT.MIN_SIZE_TEST/MAX_SIZE_TEST
+        would: the graph takes any size)."""
+        self.manifest = manifest
+        self.family = families.get(manifest.family)
+        pre, post = manifest.preprocess, manifest.postprocess
         self.input_format = pre.get("input_format", "BGR")
         if self.input_format not in PIXEL_FORMATS:
             raise ValueError(f"model pixel format {self.input_format!r} is not supported ({PIXEL_FORMATS})")
@@ -74,16 +72,6 @@ class Predictor:
         self.max_size = int(pre.get("max_size_test", 0) if max_size is None else max_size)
         self.score_threshold = float(post.get("score_threshold", 0.0) if score_threshold is None else score_threshold)
         self.post = dict(post)
-        self.input_dtypes = {t.name: np.dtype(t.dtype) for t in self.manifest.inputs}
-        self.output_names = [t.name for t in self.manifest.outputs]
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = int(threads)
-        options.log_severity_level = 3
-        self.providers = resolve_providers(providers)
-        kwargs = {"provider_options": list(provider_options) + [{}] * (len(self.providers) - len(provider_options))
-                  } if provider_options else {}
-        self.session = ort.InferenceSession(str(self.model_path), options, providers=self.providers, **kwargs)
 
     # pre-processing ------------------------------------------------------------------------------------------------
     def prepare(self, image: np.ndarray, format: str = "RGB") -> Prepared:
@@ -102,6 +90,45 @@ class Predictor:
         resized = resize_shortest_edge(np.ascontiguousarray(image), self.min_size, self.max_size)
         return Prepared(np.ascontiguousarray(resized.transpose(2, 0, 1)), image.shape[0], image.shape[1])
 
+    # post-processing -----------------------------------------------------------------------------------------------
+    def postprocess(self, outputs: dict[str, np.ndarray], index: int, prepared: Prepared,
+                    score_threshold: float | None = None) -> Prediction:
+        """Row `index` of a batch's outputs → the picture's instances, by the model's family: thresholded (≥),
+        coordinates back in the original picture's pixels."""
+        return self.prediction(outputs, index, prepared.chw.shape[1:], (prepared.height, prepared.width),
+                               score_threshold)
+
+    def prediction(self, outputs: dict[str, np.ndarray], index: int, input_hw: Sequence[int],
+                   original_hw: Sequence[int], score_threshold: float | None = None) -> Prediction:
+        """As `postprocess`, given the picture's size in the graph (resized, unpadded) and its original size."""
+        threshold = self.score_threshold if score_threshold is None else score_threshold
+        height, width = map(int, original_hw)
+        found = self.family.instances(outputs, index, tuple(map(int, input_hw)), (height, width), self.post,
+                                      threshold)
+        return Prediction(height, width, found)
+
+
+class Predictor(Processing):
+    def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
+                 score_threshold: float | None = None, provider_options: Sequence[dict] | None = None,
+                 min_size: int | None = None, max_size: int | None = None):
+        """`threads`: onnxruntime's intra-op threads (0: its default, one per core). The manifest
+        (`model.manifest.json` beside the model) says everything else; see `Processing` for the overrides."""
+        import onnxruntime as ort
+
+        self.model_path = Path(model_path)
+        super().__init__(Manifest.read(manifest_path(self.model_path)), score_threshold, min_size, max_size)
+        self.input_dtypes = {t.name: np.dtype(t.dtype) for t in self.manifest.inputs}
+        self.output_names = [t.name for t in self.manifest.outputs]
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(threads)
+        options.log_severity_level = 3
+        self.providers = resolve_providers(providers)
+        kwargs = {"provider_options": list(provider_options) + [{}] * (len(self.providers) - len(provider_options))
+                  } if provider_options else {}
+        self.session = ort.InferenceSession(str(self.model_path), options, providers=self.providers, **kwargs)
+
     # the graph -----------------------------------------------------------------------------------------------------
     def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
         """One padded batch through the session: output name → array."""
@@ -109,16 +136,6 @@ class Predictor:
         feeds = {"images": images, "image_sizes": sizes}
         feeds = {name: feeds[name].astype(dtype, copy=False) for name, dtype in self.input_dtypes.items()}
         return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
-
-    # post-processing -----------------------------------------------------------------------------------------------
-    def postprocess(self, outputs: dict[str, np.ndarray], index: int, prepared: Prepared,
-                    score_threshold: float | None = None) -> Prediction:
-        """Row `index` of a batch's outputs → the picture's instances, by the model's family: thresholded (≥),
-        coordinates back in the original picture's pixels."""
-        threshold = self.score_threshold if score_threshold is None else score_threshold
-        found = self.family.instances(outputs, index, prepared.chw.shape[1:], (prepared.height, prepared.width),
-                                      self.post, threshold)
-        return Prediction(prepared.height, prepared.width, found)
 
     # all together --------------------------------------------------------------------------------------------------
     def predict_prepared(self, prepared: Sequence[Prepared],
