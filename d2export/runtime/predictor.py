@@ -72,6 +72,8 @@ class Processing:
         self.max_size = int(pre.get("max_size_test", 0) if max_size is None else max_size)
         self.score_threshold = float(post.get("score_threshold", 0.0) if score_threshold is None else score_threshold)
         self.post = dict(post)
+        self.input_dtypes = {t.name: np.dtype(t.dtype) for t in manifest.inputs}
+        self.output_names = [t.name for t in manifest.outputs]
 
     # pre-processing ------------------------------------------------------------------------------------------------
     def prepare(self, image: np.ndarray, format: str = "RGB") -> Prepared:
@@ -89,6 +91,12 @@ class Processing:
             image = image[:, :, ::-1]
         resized = resize_shortest_edge(np.ascontiguousarray(image), self.min_size, self.max_size)
         return Prepared(np.ascontiguousarray(resized.transpose(2, 0, 1)), image.shape[0], image.shape[1])
+
+    def feeds(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
+        """Pictures → the graph's inputs for one batch, zero-padded to a common size, in the graph's dtypes."""
+        images, sizes = pad_batch([p.chw for p in prepared])
+        feeds = {"images": images, "image_sizes": sizes}
+        return {name: feeds[name].astype(dtype, copy=False) for name, dtype in self.input_dtypes.items()}
 
     # post-processing -----------------------------------------------------------------------------------------------
     def postprocess(self, outputs: dict[str, np.ndarray], index: int, prepared: Prepared,
@@ -118,8 +126,6 @@ class Predictor(Processing):
 
         self.model_path = Path(model_path)
         super().__init__(Manifest.read(manifest_path(self.model_path)), score_threshold, min_size, max_size)
-        self.input_dtypes = {t.name: np.dtype(t.dtype) for t in self.manifest.inputs}
-        self.output_names = [t.name for t in self.manifest.outputs]
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(threads)
@@ -132,10 +138,7 @@ class Predictor(Processing):
     # the graph -----------------------------------------------------------------------------------------------------
     def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
         """One padded batch through the session: output name → array."""
-        images, sizes = pad_batch([p.chw for p in prepared])
-        feeds = {"images": images, "image_sizes": sizes}
-        feeds = {name: feeds[name].astype(dtype, copy=False) for name, dtype in self.input_dtypes.items()}
-        return dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        return dict(zip(self.output_names, self.session.run(self.output_names, self.feeds(prepared))))
 
     # all together --------------------------------------------------------------------------------------------------
     def predict_prepared(self, prepared: Sequence[Prepared],

@@ -4,6 +4,12 @@
     <repo>/<name>/1/model.onnx               (hard-linked where possible, else copied)
     <repo>/<name>/1/model.manifest.json      (for clients: pre- and post-processing stay with them)
 
+With `--pictures`, also a model that takes encoded pictures and answers instances, as an ensemble:
+
+    <repo>/<name>_pre/     Python backend: decode, resize, pad (d2export.runtime.triton_python)
+    <repo>/<name>_post/    Python backend: the family's post-processing → JSON per picture
+    <repo>/<name>_pictures/  ensemble: IMAGE (bytes) → <name>_pre → <name> → <name>_post → INSTANCES (bytes)
+
 Names, data types and shapes come from the manifest, which records them as the graph declares them. When every input
 and output has a dynamic leading axis, the model batches: `max_batch_size` > 0, dims leave the batch axis out, and
 Triton's dynamic batcher may join requests (of equal shapes). Other dynamic axes are -1.
@@ -22,7 +28,8 @@ from d2export.manifest import Manifest, TensorSpec, manifest_path
 
 TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
                 "uint64": "TYPE_UINT64", "int8": "TYPE_INT8", "int16": "TYPE_INT16", "int32": "TYPE_INT32",
-                "int64": "TYPE_INT64", "float16": "TYPE_FP16", "float32": "TYPE_FP32", "float64": "TYPE_FP64"}
+                "int64": "TYPE_INT64", "float16": "TYPE_FP16", "float32": "TYPE_FP32", "float64": "TYPE_FP64",
+                "bytes": "TYPE_STRING"}
 
 
 def _dynamic(d: Any) -> bool:
@@ -42,21 +49,93 @@ def _tensor_block(t: TensorSpec, skip_batch: bool) -> str:
             f'    dims: [ {", ".join(map(str, dims))} ]\n  }}')
 
 
+def _model_config(name: str, header: list[str], batch: int, inputs: list[TensorSpec], outputs: list[TensorSpec],
+                  queue_delay_us: int, instances: int, kind: str) -> list[str]:
+    lines = [f'name: "{name}"', *header, f"max_batch_size: {batch}",
+             "input [\n" + ",\n".join(_tensor_block(t, batch > 0) for t in inputs) + "\n]",
+             "output [\n" + ",\n".join(_tensor_block(t, batch > 0) for t in outputs) + "\n]"]
+    if batch > 0:
+        lines.append(f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}")
+    lines.append(f"instance_group [\n  {{\n    count: {instances}\n    kind: {kind}\n  }}\n]")
+    return lines
+
+
 def config_text(manifest: Manifest, name: str, max_batch_size: int = 8, queue_delay_us: int = 2000,
                 instances: int = 1, kind: str = "KIND_CPU", tensorrt: bool = False) -> str:
     """config.pbtxt for the onnxruntime backend."""
     batch = max_batch_size if batchable(manifest) else 0
-    lines = [f'name: "{name}"', 'backend: "onnxruntime"', f'default_model_filename: "{manifest.model_file}"',
-             f"max_batch_size: {batch}",
-             "input [\n" + ",\n".join(_tensor_block(t, batch > 0) for t in manifest.inputs) + "\n]",
-             "output [\n" + ",\n".join(_tensor_block(t, batch > 0) for t in manifest.outputs) + "\n]"]
-    if batch > 0:
-        lines.append(f"dynamic_batching {{\n  max_queue_delay_microseconds: {queue_delay_us}\n}}")
-    lines.append(f"instance_group [\n  {{\n    count: {instances}\n    kind: {kind}\n  }}\n]")
+    lines = _model_config(name, ['backend: "onnxruntime"', f'default_model_filename: "{manifest.model_file}"'],
+                          batch, manifest.inputs, manifest.outputs, queue_delay_us, instances, kind)
     if tensorrt:
         lines.append('optimization {\n  execution_accelerators {\n    gpu_execution_accelerator [\n'
                      '      { name: "tensorrt" }\n    ]\n  }\n}')
     return "\n".join(lines) + "\n"
+
+
+def picture_tensors(manifest: Manifest) -> dict[str, list[TensorSpec]]:
+    """The Python stages' inputs and outputs; the leading axis is the graph's (the batch, or its fixed size)."""
+    from d2export.runtime import triton_python as tp
+
+    lead = manifest.inputs[0].shape[0]
+    sizes = [TensorSpec(tp.INPUT_SIZES, "int64", [lead, 2]), TensorSpec(tp.ORIGINAL_SIZES, "int64", [lead, 2])]
+    return {"pre_in": [TensorSpec(tp.IMAGE, "bytes", [lead, 1], "an encoded picture (JPEG, PNG, …)")],
+            "pre_out": manifest.inputs + sizes, "post_in": manifest.outputs + sizes,
+            "post_out": [TensorSpec(tp.INSTANCES, "bytes", [lead, 1], "JSON: height, width, instances")]}
+
+
+def picture_configs(manifest: Manifest, name: str, max_batch_size: int = 8, queue_delay_us: int = 2000,
+                    instances: int = 1) -> dict[str, str]:
+    """Model name → config.pbtxt for the two Python stages and the ensemble around the graph `name`."""
+    from d2export.runtime import triton_python as tp
+
+    batch = max_batch_size if batchable(manifest) else 0
+    t = picture_tensors(manifest)
+    configs = {}
+    for stage, inputs, outputs in (("pre", t["pre_in"], t["pre_out"]), ("post", t["post_in"], t["post_out"])):
+        lines = _model_config(f"{name}_{stage}", ['backend: "python"'], batch, inputs, outputs, queue_delay_us,
+                              instances, "KIND_CPU")
+        lines.append(f'parameters {{\n  key: "{tp.STAGE}"\n  value: {{ string_value: "{stage}" }}\n}}')
+        configs[f"{name}_{stage}"] = "\n".join(lines) + "\n"
+
+    def step(model: str, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> str:
+        maps = [f'input_map {{ key: "{s.name}" value: "{s.name}" }}' for s in inputs]  # tensors keep their names
+        maps += [f'output_map {{ key: "{s.name}" value: "{s.name}" }}' for s in outputs]
+        return f'    {{\n      model_name: "{model}"\n      model_version: -1\n      ' + "\n      ".join(maps) + "\n    }"
+
+    steps = [step(f"{name}_pre", t["pre_in"], t["pre_out"]), step(name, manifest.inputs, manifest.outputs),
+             step(f"{name}_post", t["post_in"], t["post_out"])]
+    lines = [f'name: "{name}_pictures"', 'platform: "ensemble"', f"max_batch_size: {batch}",
+             "input [\n" + _tensor_block(t["pre_in"][0], batch > 0) + "\n]",
+             "output [\n" + _tensor_block(t["post_out"][0], batch > 0) + "\n]",
+             "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}"]
+    configs[f"{name}_pictures"] = "\n".join(lines) + "\n"
+    return configs
+
+
+MODEL_PY = '''"""Written by `d2export triton-repo --pictures`: the d2export runtime's own pre- or post-processing (the stage is
+this model's config parameter d2export_stage). Triton's Python needs d2export with numpy and Pillow:
+`pip install --no-deps d2export && pip install numpy Pillow`."""
+from d2export.runtime.triton_python import TritonPythonModel  # noqa: F401
+'''
+
+
+def write_picture_models(model_path: str | os.PathLike, repo: str | os.PathLike, name: str, version: int = 1,
+                         **config: Any) -> list[Path]:
+    """Writes the Python stages and the ensemble beside `<repo>/<name>/` (see write_repository); returns their
+    folders. `config`: as picture_configs's keywords."""
+    from d2export.runtime import triton_python as tp
+
+    manifest = Manifest.read(manifest_path(model_path))
+    folders = []
+    for model, text in picture_configs(manifest, name, **config).items():
+        folder = Path(repo) / model
+        (folder / str(version)).mkdir(parents=True, exist_ok=True)
+        if not model.endswith("_pictures"):  # Python stages: the shim and the manifest it reads
+            (folder / str(version) / "model.py").write_text(MODEL_PY)
+            shutil.copyfile(manifest_path(model_path), folder / str(version) / tp.MANIFEST)
+        (folder / "config.pbtxt").write_text(text)
+        folders.append(folder)
+    return folders
 
 
 def write_repository(model_path: str | os.PathLike, repo: str | os.PathLike, name: str | None = None,
@@ -159,12 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=1, help="model instances per device")
     ap.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
     ap.add_argument("--tensorrt", action="store_true", help="ask the onnxruntime backend for its TensorRT EP")
+    ap.add_argument("--pictures", action="store_true",
+                    help="also <name>_pre/_post (Python backend: decoding, resizing, post-processing) and the "
+                         "ensemble <name>_pictures: encoded picture bytes in, instances (JSON) out")
     args = ap.parse_args(argv)
     try:
         folder = write_repository(args.model, args.repo, args.name, args.version,
                                   max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
                                   instances=args.instances, kind="KIND_GPU" if args.gpu or args.tensorrt else "KIND_CPU",
                                   tensorrt=args.tensorrt)
+        if args.pictures:
+            write_picture_models(args.model, args.repo, folder.name, args.version, max_batch_size=args.max_batch_size,
+                                 queue_delay_us=args.queue_delay_us, instances=args.instances)
     except (OSError, ValueError) as e:
         print(f"d2export triton-repo: error: {e}", file=sys.stderr)
         return 2
