@@ -203,6 +203,7 @@ def test_runtime_imports_and_predicts_without_torch(tiny_export):
         "import numpy as np\n"
         "import d2export.runtime as rt\n"
         "import d2export.runtime.server, d2export.runtime.triton, d2export.runtime.infer, d2export.runtime.visualize\n"
+        "import d2export.runtime.batch, d2export.runtime.triton_python\n"
         "import d2export.cli\n"
         "from d2export import families; assert families.families()  # every family module's top level\n"
         f"p = rt.Predictor({str(tiny_export[2])!r}, threads=1)\n"

@@ -9,6 +9,7 @@ SUBCOMMANDS = {  # subcommand -> "module:function"
     "msda": "benchmarks.msda:main",
     "e2e": "benchmarks.e2e:main",
     "serve": "benchmarks.serve:main",
+    "batch": "benchmarks.batch:main",
 }
 
 
