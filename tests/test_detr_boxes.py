@@ -150,3 +150,26 @@ def test_served_graph_matches_the_models_own_forward_at_other_sizes(exported):
     # mixed sizes in one run: the graph's padding masks come from image_sizes, as the model's from its ImageList
     for got, reference in zip(predictor.predict_batch(pictures), _own_forward(model, prepared, pictures)):
         _compare(got, reference, names)
+
+
+def test_served_over_http_with_boxes_and_class_names(exported):
+    import io
+
+    import httpx
+    from PIL import Image
+
+    from d2export.runtime import Predictor
+    from d2export.runtime.server import create_app, serving
+
+    predictor = Predictor(exported[2], threads=1)
+    picture = synthetic_image(150, 230, 5).transpose(1, 2, 0).copy()
+    buf = io.BytesIO()
+    Image.fromarray(picture).save(buf, "PNG")
+    want = predictor.predict(picture, score_threshold=0.0).instances
+    with serving(create_app(predictor)) as url, httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/predict?score_threshold=0", content=buf.getvalue(), headers={"content-type": "image/png"})
+    assert r.status_code == 200, r.text
+    got = r.json()["instances"]
+    assert len(got) == len(want) > 0
+    assert [(g["label"], g["class_name"]) for g in got] == [(w.label, w.class_name) for w in want]
+    np.testing.assert_allclose([g["box"] for g in got], [w.box for w in want], atol=0.006)  # JSON: 1/100 px
