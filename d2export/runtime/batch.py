@@ -232,7 +232,8 @@ class InferActor:
 
 
 def jsonl_datasink(output: str, rows_per_file: int):
-    """Ray Data datasink writing `infer`'s lines: instances nested, absent fields left out."""
+    """Ray Data datasink writing `infer`'s lines: instances nested, absent fields left out (the class is made here, so
+    importing this module needs no Ray)."""
     from ray.data.datasource import BlockBasedFileDatasink
 
     class JsonLines(BlockBasedFileDatasink):
@@ -332,8 +333,11 @@ def run(model: str | os.PathLike, source: str, output: str, *, fmt: str = "parqu
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="d2export batch", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="d2export batch", conflict_handler="resolve",  # --threads below replaces
+                                 description="Offline inference over a picture corpus on Ray Data: one row per "
+                                             "picture (Parquet or JSON lines); a rerun resumes.")
     add_predictor_arguments(ap)
+    ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads per actor (default 1)")
     ap.add_argument("input", help="a folder, a glob, or a list file (one picture a line); local or s3://, gs://, …")
     ap.add_argument("output", help="the folder the rows go to (parquet or jsonl files); a rerun skips what it holds")
     ap.add_argument("--format", choices=list(FORMATS), default="parquet")
@@ -342,7 +346,6 @@ def main(argv: list[str] | None = None) -> int:
                                                               "hold, one CPU kept for decoding)")
     ap.add_argument("--batch-size", type=int, default=8, help="pictures per session run (equal sizes only)")
     ap.add_argument("--rows-per-file", type=int, default=1000, help="rows gathered before a file is written")
-    ap.set_defaults(threads=1)
     args = ap.parse_args(argv)
     try:
         summary = run(args.model, args.input, args.output, fmt=args.format, actors=args.actors,
