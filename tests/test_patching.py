@@ -369,3 +369,20 @@ def test_torchscript_keeps_the_overloads_of_a_patched_function(registry):
     with registry.apply():
         scripted = torch.jit.script(_upsampled)
     assert torch.equal(scripted(x), _upsampled(x))
+
+
+def test_calls_a_replacement_cannot_take_go_to_the_original():
+    """The built-in rewrites take the common argument forms; the originals' other keyword names and `out=` must
+    still work inside a scope, as without the plugin."""
+    from d2export.patching import apply_patches
+
+    a = torch.eye(3) * 2 + 0.1
+    x, src, idx = torch.zeros(4, 3), torch.ones(2, 3), torch.tensor([1, 1])
+    expected_sum = torch.index_add(x, 0, idx, src)
+    with apply_patches(target=Target(17)) as report:
+        assert torch.equal(torch.linalg.inv(A=a), torch._C._linalg.linalg_inv(a))
+        buf = torch.empty(4, 3)
+        torch.index_add(x, 0, idx, src, out=buf)
+        assert torch.equal(buf, expected_sum)
+        assert torch.equal(torch.index_add(x, 0, idx, src), expected_sum)  # rewritten: repeated indices add up
+    assert report["inverse"].deferred == 1 and report["index-add"].deferred == 1 and report["index-add"].hits == 1

@@ -162,11 +162,13 @@ class PatchReport:
 
 # ----------------------------------------------------------------------------------------------------------- kinds
 def _counted(replacement: Callable, original: Callable, record: PatchRecord) -> Callable:
-    """Wrap a replacement so that calls are counted and NotImplemented defers to the original."""
+    """Wrap a replacement so that calls are counted and NotImplemented defers to the original. Calls the
+    replacement's signature cannot take (the original's other keyword names, `out=`) go to the original too."""
+    accepts = _binder(replacement)
 
     @functools.wraps(replacement)
     def patched(*args, **kwargs):
-        out = replacement(*args, **kwargs)
+        out = replacement(*args, **kwargs) if accepts(args, kwargs) else NotImplemented
         if out is NotImplemented:
             record.deferred += 1
             return original(*args, **kwargs)
@@ -174,6 +176,22 @@ def _counted(replacement: Callable, original: Callable, record: PatchRecord) -> 
         return out
 
     return patched
+
+
+def _binder(fn: Callable) -> Callable[[tuple, dict], bool]:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no introspectable signature: hand it every call
+        return lambda args, kwargs: True
+
+    def accepts(args, kwargs) -> bool:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError:
+            return False
+        return True
+
+    return accepts
 
 
 def _set_attr(stack: contextlib.ExitStack, owner: Any, attr: str, value: Any) -> None:
