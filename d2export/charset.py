@@ -2,8 +2,9 @@
 decodes with it).
 
 TESTR-family models (voc_size 96) predict one of the 95 printable ASCII characters (space to '~'), an "unknown"
-class (shown as '口', as AdelaiDet does) or, at index voc_size, "no character". Models trained with a custom
-dictionary (MODEL.TRANSFORMER.CUSTOM_DICT: a pickled list of code points, e.g. Chinese) use that instead.
+class (shown as '口', as AdelaiDet does) or, at index voc_size, "no character". 37-symbol models (DeepSolo's
+Total-Text and ICDAR ones) read a-z then 0-9, then "unknown". Models trained with a custom dictionary (CUSTOM_DICT:
+a pickled list of code points, e.g. Chinese) use that instead.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pickle
 from pathlib import Path
 
 UNKNOWN = "口"
+LOWER_ALNUM = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
 def charset(voc_size: int, custom_dict: str = "") -> list[str]:
@@ -19,6 +21,8 @@ def charset(voc_size: int, custom_dict: str = "") -> list[str]:
         with open(Path(custom_dict), "rb") as f:
             codes = pickle.load(f)
         chars = [chr(c) for c in codes]
+    elif voc_size == len(LOWER_ALNUM) + 1:
+        chars = list(LOWER_ALNUM)
     else:
         chars = [chr(c) for c in range(32, 127)]
     if len(chars) >= voc_size:
@@ -26,6 +30,13 @@ def charset(voc_size: int, custom_dict: str = "") -> list[str]:
     return chars + [UNKNOWN] * (voc_size - len(chars))
 
 
-def decode(ids, chars: list[str]) -> str:
-    """Per-slot class ids → text: ids ≥ len(chars) mean "no character" and are skipped."""
-    return "".join(chars[i] for i in ids if 0 <= i < len(chars))
+def decode(ids, chars: list[str], ctc: bool = False) -> str:
+    """Per-slot class ids → text: ids outside chars mean "no character" and are skipped. With `ctc` (DeepSolo's
+    per-point characters) a run of one id reads as one character; a skipped id ends the run."""
+    out, last = [], None
+    for i in ids:
+        known = 0 <= i < len(chars)
+        if known and not (ctc and i == last):
+            out.append(chars[i])
+        last = i if known else None
+    return "".join(out)

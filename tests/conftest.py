@@ -1,8 +1,8 @@
 import os
 import sys
 
-# third_party/ holds model code standing in for a user's project (the `testr` package, and `detrex` + `projects` in
-# detrex_standin/, importable as from a detrex checkout); d2export never imports it
+# third_party/ holds model code standing in for users' projects (testr, dptext, deepsolo, and `detrex` + `projects`
+# in detrex_standin/, importable as from a detrex checkout); d2export never imports it
 _THIRD_PARTY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "third_party")
 for _path in (_THIRD_PARTY, os.path.join(_THIRD_PARTY, "detrex_standin")):
     if _path not in sys.path:

@@ -119,13 +119,22 @@ def recognise(model, requested: str = "auto") -> Family:
                       f"no model family fits {what}: " + "; ".join(misses))
 
 
+def _has(obj, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
 def find_child(model, attrs: Sequence[str], also_self: bool = False) -> tuple[str, Any]:
-    """The first child module (or the model itself) that has every attribute in `attrs`: how a family finds a
-    model's head by duck typing. Raises FamilyError naming the attributes the closest candidate lacks."""
+    """The first child module (or the model itself) that has every attribute in `attrs` ("a.b": attribute b of its
+    attribute a): how a family finds a model's head by duck typing. Raises FamilyError naming the attributes the
+    closest candidate lacks."""
     candidates = ([("", model)] if also_self else []) + list(model.named_children())
     best, best_missing = None, list(attrs)
     for name, module in candidates:
-        lacking = [a for a in attrs if not hasattr(module, a)]
+        lacking = [a for a in attrs if not _has(module, a)]
         if not lacking:
             return name, module
         if len(lacking) < len(best_missing):

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from d2export.families import Family, find_child, lacks
 from d2export.instances import Instance
 
 SCORE_DOC = "instance confidence: sigmoid of the mean control-point logit, max over classes"
@@ -37,17 +38,17 @@ def best_chars(text_logits):
     return ids, probs
 
 
-def text_postprocess(transformer_cfg, points: str) -> dict[str, Any]:
-    """The manifest's post-processing for a text spotter: threshold, point layout and, where it reads text, the
-    character set. `points`: "polygon" (closed outline), "bezier" (8 control points) or "centre_line" (open)."""
-    from d2export.charset import charset
-
+def text_postprocess(transformer_cfg, points: str, chars: list[str] | None = None, ctc: bool = False,
+                     num_chars: int | None = None) -> dict[str, Any]:
+    """The manifest's post-processing for a text spotter: threshold, point layout and, where it reads text (`chars`:
+    index → character), the character set and how per-slot ids read (`ctc`: runs collapse, as DeepSolo's).
+    `points`: "polygon" (closed outline), "bezier" (8 control points) or "centre_line" (open)."""
     t = transformer_cfg
     post = {"score_threshold": float(t.INFERENCE_TH_TEST), "points": points,
             "use_polygon": points != "bezier"}  # use_polygon: what manifests of the first release carry
-    if hasattr(t, "VOC_SIZE"):
-        post |= {"voc_size": int(t.VOC_SIZE), "num_chars": int(getattr(t, "NUM_CHARS", 25)),
-                 "charset": "".join(charset(int(t.VOC_SIZE), str(getattr(t, "CUSTOM_DICT", "") or "")))}
+    if chars is not None:
+        post |= {"voc_size": int(t.VOC_SIZE), "num_chars": int(num_chars or t.NUM_CHARS), "charset": "".join(chars),
+                 "text_decoding": "ctc" if ctc else "slots"}
     return post
 
 
@@ -86,7 +87,30 @@ def text_instances(outputs: dict[str, np.ndarray], index: int, input_hw: tuple[i
         if "char_ids" in outputs:
             ids, probs = outputs["char_ids"][index, k], outputs["char_scores"][index, k]
             kept = (ids >= 0) & (ids < len(chars))
-            inst.text = decode(ids.tolist(), chars)
+            inst.text = decode(ids.tolist(), chars, ctc=post.get("text_decoding") == "ctc")
             inst.text_score = float(probs[kept].mean()) if kept.any() else 0.0
         instances.append(inst)
     return instances
+
+
+class TextSpotter(Family):
+    """A DETR-style spotter of the lineage: recognised by its head's attributes (`head`), served by `text_instances`;
+    subclasses say how the head's outputs decode (`adapter`) and the manifest's `postprocess`."""
+    head: tuple[str, ...] = ()
+    priority = 20
+
+    def missing(self, model):
+        return lacks(model, self.head)
+
+    def detr_adapter(self, model, cfg, decode, output_names, **decode_options):
+        """The generic DETR adapter around the model's head: `decode(raw outputs, image_sizes, **decode_options)`."""
+        from functools import partial
+
+        from d2export.tracing.detr import DetrAdapter
+
+        head = find_child(model, self.head)[0]
+        return DetrAdapter(model, head, partial(decode, **decode_options), output_names, cfg.MODEL.PIXEL_MEAN,
+                           cfg.MODEL.PIXEL_STD)
+
+    def instances(self, outputs, index, input_hw, original_hw, post, threshold):
+        return text_instances(outputs, index, input_hw, original_hw, post, threshold)

@@ -7,10 +7,8 @@ the detector's thresholding `inference()`); the outputs are `scores`, `labels`, 
 """
 from __future__ import annotations
 
-from functools import partial
-
-from d2export.families import AdapterOptions, Family, find_child, lacks
-from d2export.families._text import best_chars, scores_labels, text_instances, text_postprocess, to_pixels
+from d2export.families import AdapterOptions
+from d2export.families._text import TextSpotter, best_chars, scores_labels, text_postprocess, to_pixels
 
 HEAD = ("backbone", "transformer", "ctrl_point_class", "ctrl_point_coord", "text_class")
 OUTPUTS = ("scores", "labels", "ctrl_points", "char_ids", "char_scores")
@@ -23,28 +21,22 @@ def decode(out: dict, image_sizes, text_logits: bool = False) -> tuple:
     return flat + (out["pred_texts"],) if text_logits else flat
 
 
-class TESTR(Family):
+class TESTR(TextSpotter):
     name = "testr"
     aliases = ("text_spotter",)
     summary = "TESTR text spotter: polygon/Bézier control points and text"
-    priority = 20
-
-    def missing(self, model):
-        return lacks(model, HEAD)
+    head = HEAD
 
     def adapter(self, model, cfg, options: AdapterOptions):
-        from d2export.tracing.detr import DetrAdapter
-
-        head, _ = find_child(model, HEAD)
         names = OUTPUTS + (("text_logits",) if options.text_logits else ())
-        return DetrAdapter(model, head, partial(decode, text_logits=options.text_logits), names,
-                           cfg.MODEL.PIXEL_MEAN, cfg.MODEL.PIXEL_STD)
+        return self.detr_adapter(model, cfg, decode, names, text_logits=options.text_logits)
 
     def postprocess(self, cfg):
-        return text_postprocess(cfg.MODEL.TRANSFORMER, "polygon" if cfg.MODEL.TRANSFORMER.USE_POLYGON else "bezier")
+        from d2export.charset import charset
 
-    def instances(self, outputs, index, input_hw, original_hw, post, threshold):
-        return text_instances(outputs, index, input_hw, original_hw, post, threshold)
+        t = cfg.MODEL.TRANSFORMER
+        chars = charset(int(t.VOC_SIZE), str(getattr(t, "CUSTOM_DICT", "") or ""))
+        return text_postprocess(t, "polygon" if t.USE_POLYGON else "bezier", chars)
 
 
 FAMILY = TESTR()

@@ -5,7 +5,8 @@ graph and an export runs wrong, or silently wrong, at other sizes (../shared/fac
 the same values as the original from traced tensor sizes instead. Modules are matched by what they have:
 - a backbone wrapper with `mask_out_padding` and `feature_strides`;
 - an encoder with a static `get_reference_points(spatial_shapes, valid_ratios, device)`;
-- a transformer with `gen_encoder_output_proposals` and `enc_output_norm`.
+- a transformer with `gen_encoder_output_proposals` and `enc_output_norm` (box proposals, as TESTR and DPText-DETR;
+  Bezier proposals where it has DeepSolo's `bezier_coord_embed`).
 Every function is exact against the original on every size (tests/test_adet_family.py).
 """
 from __future__ import annotations
@@ -63,8 +64,11 @@ def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shap
         grid = torch.cat([grid_x.unsqueeze(-1), grid_y.unsqueeze(-1)], -1)
         scale = torch.cat([valid_w.unsqueeze(-1), valid_h.unsqueeze(-1)], 1).view(n, 1, 1, 2)
         grid = (grid.unsqueeze(0).expand(n, -1, -1, -1) + 0.5) / scale
-        wh = torch.ones_like(grid) * 0.05 * (2.0 ** lvl)
-        proposals.append(torch.cat((grid, wh), -1).view(n, -1, 4))
+        if getattr(self, "bezier_coord_embed", None) is not None:  # DeepSolo: a cubic Bezier shrunk to the centre
+            proposals.append(grid.repeat(1, 1, 1, 4).view(n, -1, 8))
+        else:  # a box 0.05 · 2^level wide
+            wh = torch.ones_like(grid) * 0.05 * (2.0 ** lvl)
+            proposals.append(torch.cat((grid, wh), -1).view(n, -1, 4))
     proposals = torch.cat(proposals, 1)
     valid = ((proposals > 0.01) & (proposals < 0.99)).all(-1, keepdim=True)
     proposals = torch.log(proposals / (1 - proposals))

@@ -1,0 +1,3 @@
+from .text_spotter import TransformerPureDetector
+
+__all__ = ["TransformerPureDetector"]

@@ -1,0 +1,3 @@
+from .transformer_detector import TransformerPureDetector
+
+__all__ = ["TransformerPureDetector"]
