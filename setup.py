@@ -49,8 +49,11 @@ setup(
         "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6", "tqdm>=4"],
         "slim": ["onnxslim>=0.1.30"],
         "batch": ["ray[data]>=2.40", "fsspec>=2023.12"],  # `d2export batch`
-        # tritonclient: Triton's model-config protobuf, to check the configs triton-repo writes
-        "dev": ["pytest>=7", "psutil>=5", "httpx>=0.24", "tritonclient>=2.40"],
+        # tritonclient: Triton's model-config protobuf, to check the configs triton-repo writes; matplotlib: benchmarks'
+        # plots
+        "dev": ["pytest>=7", "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5"],
+        # the fused MSDA operator for onnxruntime on the CPU (export.sampler=fused): its kernel and its registration
+        "fused": ["numba>=0.59", "onnxruntime-extensions>=0.15"],
     },
     entry_points={"console_scripts": ["d2export=d2export.cli:main"]},
 )

@@ -33,6 +33,9 @@ class Manifest:
     opset: int
     exporter: str
     sampler: str = ""
+    # d2export custom operators the graph holds ("d2export.MultiScaleDeformableAttention" for export.sampler=fused):
+    # a session must register them (d2export.runtime.custom_ops)
+    custom_ops: list[str] = field(default_factory=list)
     # what the runtime needs for pre- and post-processing
     preprocess: dict[str, Any] = field(default_factory=dict)  # input_format, min_size_test, max_size_test, size_divisibility
     postprocess: dict[str, Any] = field(default_factory=dict)  # score_threshold, voc, use_polygon, …

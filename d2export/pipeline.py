@@ -22,6 +22,7 @@ from d2export.exporting import lint as lint_mod
 from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
 from d2export.manifest import Manifest, TensorSpec, manifest_path, sha256_file, staged
+from d2export.runtime import custom_ops
 from d2export.tracing import dummy_images, graph_inputs, torch_inputs
 
 log = logging.getLogger("d2export")
@@ -142,7 +143,7 @@ def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
     manifest = Manifest(
         model_file=final.name, family=built.family.name,
         inputs=_specs(graph.input), outputs=_specs(graph.output),
-        opset=opset, exporter=e.exporter, sampler=e.sampler,
+        opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
         preprocess=built.family.preprocess(built.d2cfg), postprocess=built.family.postprocess(built.d2cfg),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
@@ -180,7 +181,8 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
     import onnxruntime as ort
 
     _step(5, "verifying with onnxruntime", f"{len(cases)} cases")
-    session = ort.InferenceSession(str(path), providers=list(cfg.verify.providers))
+    options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
+    session = ort.InferenceSession(str(path), options, providers=list(cfg.verify.providers))
     results = verify_mod.run_cases(session, output_names, cases, cfg.verify.atol, cfg.verify.rtol,
                                    cfg.verify.max_mismatch)
     log.info("verification:\n%s", verify_mod.format_table(results))

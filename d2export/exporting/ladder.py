@@ -32,6 +32,7 @@ from torch import nn
 
 from d2export.exporting.onnx_export import export_onnx
 from d2export.exporting.verify import difference
+from d2export.runtime import custom_ops
 from d2export.tracing import graph_inputs, torch_inputs
 
 Key = tuple  # (module path, call index, where the tensor sits in the call's output: "", "[1]", "['pred_logits']")
@@ -321,7 +322,7 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
         result = export_onnx(wrapper, args, Path(tmp) / "ladder.onnx", input_names=adapter.input_names,
                              output_names=list(adapter.output_names) + names, dynamic_axes=axes,
                              opset=settings.opset, exporter=settings.exporter)
-        options = ort.SessionOptions()
+        options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(result.path))
         options.log_severity_level = 3  # a run that fails is reported below, not logged twice
         session = ort.InferenceSession(str(result.path), options, providers=list(providers))
     warns = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in result.tracer_warnings]

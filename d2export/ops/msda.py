@@ -11,6 +11,8 @@ Samplers (pick one with `sampler=`; "auto" picks for you):
 - "grid_sample": one F.grid_sample per level (GridSample nodes, opset >= 16).
 - "pytorch": the fastest formulation eagerly in PyTorch (one grid_sample per level, levels' sizes read once).
 - "trt_plugin": exports one `MultiscaleDeformableAttnPlugin_TRT` node for TensorRT; computes like "gather" eagerly.
+- "fused": exports one `d2export.MultiScaleDeformableAttention` node, run on the CPU by d2export's compiled kernel
+  (`d2export.runtime.custom_ops`: onnxruntime-extensions + numba, the `fused` extra); computes like "gather" eagerly.
 "auto" is "pytorch" eagerly and, while tracing or exporting, "gather" or whatever `use_sampler(...)` set.
 
 No sampler turns spatial_shapes or level_start_index into Python numbers while tracing, so a graph exported at one
@@ -28,8 +30,10 @@ import torch.nn.functional as F
 from ._bilinear import bilinear_window, quad_table
 from .level_shapes import level_shapes, level_starts, static_size
 
-SAMPLERS = ("auto", "gather", "grid_sample", "pytorch", "trt_plugin")
+SAMPLERS = ("auto", "gather", "grid_sample", "pytorch", "trt_plugin", "fused")
 EXPORT_DEFAULT = "gather"
+# the gather sampler's queries are processed in this many pieces (peak memory / QUERY_CHUNKS; see _gather)
+QUERY_CHUNKS = 16
 
 _export_sampler = contextvars.ContextVar("d2export_msda_export_sampler", default=EXPORT_DEFAULT)
 
@@ -74,7 +78,10 @@ def multi_scale_deformable_attention(value: torch.Tensor, spatial_shapes: torch.
     compute = torch.promote_types(value.dtype, torch.float32)
     args = (_to(value, compute), spatial_shapes, level_start_index, _to(sampling_locations, compute),
             _to(attention_weights, compute))
-    out = _gather(*args) if name == "gather" else _per_level_grid_sample(*args)
+    if name == "fused":
+        out = _FusedMSDA.apply(*args)
+    else:
+        out = _gather(*args) if name == "gather" else _per_level_grid_sample(*args)
     return _to(out, value.dtype)
 
 
@@ -101,8 +108,9 @@ def _index_sizes(value: torch.Tensor, dtype: torch.dtype):
     return shape[1:2], shape[2:3]
 
 
-def _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-    """Every level, point and corner at once: one Gather of 2×2 windows' pixels, one MatMul."""
+def _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, chunks=QUERY_CHUNKS):
+    """Every level, point and corner at once: one Gather of 2×2 windows' pixels and one MatMul per piece of the
+    queries."""
     n, s, m, d = value.shape
     _, lq, _, n_levels, n_points, _ = sampling_locations.shape
     # Per-level numbers as [L, P]: they match the trailing dims of [N, Lq, M, L, P], which onnxruntime broadcasts
@@ -122,10 +130,11 @@ def _gather(value, spatial_shapes, level_start_index, sampling_locations, attent
     base = (batch + level_start_index.to(idx).unsqueeze(-1).expand(level_shape)) * m_ + head  # [N, 1, M, L, P]
     rows = offset * m_ + base  # the window's top-left pixel
     taps = n_levels * n_points * 4
+    pieces = 1
     if _quad_table_pays(lq, s, n_levels * n_points, m):  # one 4D-wide row per window
-        table = torch.cat([quad_table(value[:, start:start + h * w], w)
-                           for h, w, start in _level_bounds(spatial_shapes)], 1)
-        sampled = table.reshape(n * s * m, 4 * d).index_select(0, rows.reshape(-1))
+        pixels = torch.cat([quad_table(value[:, start:start + h * w], w)
+                            for h, w, start in _level_bounds(spatial_shapes)], 1).reshape(n * s * m, 4 * d)
+        pieces = chunks  # Lq = S: the gathered block grows with the image
     else:  # four D-wide rows per window, straight from value: pixels +1 and +W (+1) are M and W * M rows on.
         # A 1-pixel-wide (-high) level has no right (lower) neighbour, possibly not even a next row: read the
         # window's own pixel there instead, which the weight of 0 cancels.
@@ -133,8 +142,19 @@ def _gather(value, spatial_shapes, level_start_index, sampling_locations, attent
         dy = width * (height > 1).to(width.dtype)
         corners = torch.stack([torch.zeros_like(dx), dx, dy, dx + dy], -1)  # [L, P, 4]
         rows = rows.unsqueeze(-1) + corners.to(idx) * m_  # [N, Lq, M, L, P, 4]
-        sampled = value.reshape(n * s * m, d).index_select(0, rows.reshape(-1))
-    return torch.matmul(weight.view(n, lq, m, 1, taps), sampled.view(n, lq, m, taps, d)).view(n, lq, m * d)
+        pixels = value.reshape(n * s * m, d)
+    # In pieces along the queries: the gathered pixels (Lq·M·taps·D floats, 3.5 GB per encoder call at 1600²) exist
+    # one piece at a time. The bounds are computed from Lq, so the graph stays size-general; heads, taps and D are the
+    # model's structure, constants in the graph, so a piece's reshapes cost no shape arithmetic.
+    m, d, taps = static_size(m), static_size(d), static_size(taps)
+    rows = rows.reshape(rows.shape[0] * rows.shape[1], -1)  # [N * Lq, indices per query]
+    weight = weight.reshape(-1, m, 1, taps)
+    out = []
+    for i in range(pieces):
+        first, last = (None, None) if pieces == 1 else (lq * n * i // pieces, lq * n * (i + 1) // pieces)
+        sampled = pixels.index_select(0, rows[first:last].reshape(-1)).view(-1, m, taps, d)
+        out.append(torch.matmul(weight[first:last], sampled))  # [q, M, 1, D]
+    return (out[0] if pieces == 1 else torch.cat(out, 0)).view(n, lq, m * d)
 
 
 def _quad_table_pays(len_q, len_in, taps_per_query: int, heads: int) -> bool:
@@ -168,13 +188,54 @@ def _per_level_grid_sample(value, spatial_shapes, level_start_index, sampling_lo
     return out.view(n, m * d, lq).transpose(1, 2)
 
 
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """The eager value of a Function that exports as one node: its body computed outside the TorchScript tracer,
+    whose record of it (thrown away for the node) breaks on sizes traced elsewhere in the model."""
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+class _FusedMSDA(torch.autograd.Function):
+    """Eagerly the gather formulation; exported as one node of d2export's custom domain (float32 and int64 operands,
+    the types its kernel is declared with)."""
+
+    @staticmethod
+    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        with _untraced():
+            return _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, chunks=1)
+
+    @staticmethod
+    def symbolic(g, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
+
+        float32, int64 = 1, 7  # onnx.TensorProto.FLOAT, INT64
+        out = g.op(f"{DOMAIN}::{FUSED_MSDA}", _cast(g, value, float32), _cast(g, spatial_shapes, int64),
+                   _cast(g, level_start_index, int64), _cast(g, sampling_locations, float32),
+                   _cast(g, attention_weights, float32))
+        return out.setType(value.type().with_sizes([None, None, None]))
+
+
+def _cast(g, x, to: int):
+    """x as ONNX type `to`; no node where it is that already."""
+    dtypes = {1: torch.float32, 7: torch.int64}
+    return x if x.type().dtype() == dtypes[to] else g.op("Cast", x, to_i=to)
+
+
 class _TRTPluginMSDA(torch.autograd.Function):
     """Eagerly the gather formulation; exported as TensorRT's MultiscaleDeformableAttnPlugin_TRT node."""
 
     @staticmethod
     def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-        return multi_scale_deformable_attention(value, spatial_shapes, level_start_index, sampling_locations,
-                                                attention_weights, sampler="gather")
+        compute = torch.promote_types(value.dtype, torch.float32)
+        with _untraced():
+            out = _gather(_to(value, compute), spatial_shapes, level_start_index, _to(sampling_locations, compute),
+                          _to(attention_weights, compute), chunks=1)
+        return _to(out, value.dtype)
 
     @staticmethod
     def symbolic(g, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):

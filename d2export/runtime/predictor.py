@@ -19,6 +19,8 @@ from d2export import families
 from d2export.imaging import pad_batch, resize_shortest_edge
 from d2export.instances import Instance, Prediction, TextInstance  # noqa: F401 - the runtime's public types
 from d2export.manifest import Manifest, manifest_path
+from d2export.runtime import custom_ops
+from d2export.runtime.session_cache import create_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 PIXEL_FORMATS = ("RGB", "BGR")
@@ -130,10 +132,14 @@ class Predictor(Processing):
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(threads)
         options.log_severity_level = 3
+        try:
+            custom_ops.register(options, self.manifest.custom_ops)
+        except custom_ops.MissingExtra as e:
+            raise ProviderUnavailable(str(e)) from None
         self.providers = resolve_providers(providers)
         kwargs = {"provider_options": list(provider_options) + [{}] * (len(self.providers) - len(provider_options))
                   } if provider_options else {}
-        self.session = ort.InferenceSession(str(self.model_path), options, providers=self.providers, **kwargs)
+        self.session = create_session(self.model_path, options, self.providers, **kwargs)
 
     # the graph -----------------------------------------------------------------------------------------------------
     def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:

@@ -143,6 +143,10 @@ def write_repository(model_path: str | os.PathLike, repo: str | os.PathLike, nam
     """Writes (or refreshes) `<repo>/<name>/`; returns that folder. `config`: as config_text's keywords."""
     model_path = Path(model_path)
     manifest = Manifest.read(manifest_path(model_path))
+    if manifest.custom_ops:
+        raise ValueError(f"{model_path} uses d2export's custom operator(s) {', '.join(manifest.custom_ops)}, which run "
+                         "only in a Python onnxruntime session (d2export serve / Predictor), not in Triton's "
+                         "onnxruntime backend: export with export.sampler=gather for Triton")
     name = name or model_path.stem
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
         raise ValueError(f"model name {name!r}: use letters, digits, '_', '-', '.'")

@@ -1,0 +1,275 @@
+"""The fused MSDA operator (export.sampler=fused), its registration with onnxruntime, the chunked gather graph, and the
+optimized-model session cache."""
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from d2export.manifest import Manifest, TensorSpec, manifest_path
+from d2export.ops.msda import QUERY_CHUNKS, multi_scale_deformable_attention
+from d2export.runtime import custom_ops
+from d2export.runtime.msda_kernel import msda as fused_kernel
+from msda_reference import msda_reference, random_msda_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
+EXPORT_SHAPES = [(6, 5), (3, 3)]
+
+
+class _Core(torch.nn.Module):
+    def __init__(self, sampler):
+        super().__init__()
+        self.sampler = sampler
+
+    def forward(self, *args):
+        return multi_scale_deformable_attention(*args, sampler=self.sampler)
+
+
+def _export(sampler, args, opset=17) -> bytes:
+    buf = io.BytesIO()
+    axes = {n: {i: f"{n}_{i}" for i in range(a.dim())} for n, a in zip(NAMES, args)}
+    torch.onnx.export(_Core(sampler), args, buf, input_names=NAMES, output_names=["out"], opset_version=opset,
+                      dynamic_axes=axes, dynamo=False)
+    return buf.getvalue()
+
+
+def _session(model: bytes):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    custom_ops.register(options, custom_ops.graph_ops(onnx.load_from_string(model)))
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def _run(session, args):
+    return session.run(None, {n: a.numpy() for n, a in zip(NAMES, args)})[0]
+
+
+def _max_err(out, ref) -> float:
+    assert out.shape == tuple(ref.shape)
+    return float(np.abs(out.astype(np.float64) - ref.numpy()).max())
+
+
+RUN_CASES = [  # (level shapes, batch, queries, heads, dim, points): other sizes, level counts, batches than exported
+    ([(6, 5), (3, 3)], 2, 7, 2, 4, 3),
+    ([(9, 4), (5, 2), (1, 3)], 3, 11, 2, 4, 3),
+    ([(4, 13), (2, 7)], 1, 40, 2, 4, 3),  # non-square, more queries than pixels
+    ([(1, 1), (2, 1)], 2, 5, 2, 4, 3),  # 1-pixel levels
+]
+
+
+def test_fused_graph_is_one_node_and_matches_float64_reference():
+    model = _export("fused", random_msda_inputs(EXPORT_SHAPES, n=1, lq=5, heads=2, dim=4, points=3))
+    graph = onnx.load_from_string(model).graph
+    fused = [n for n in graph.node if n.domain == custom_ops.DOMAIN]
+    assert [n.op_type for n in fused] == [custom_ops.FUSED_MSDA]
+    assert not {"Gather", "GridSample", "MatMul"} & {n.op_type for n in graph.node}
+    assert custom_ops.graph_ops(onnx.load_from_string(model)) == [custom_ops.FUSED_MSDA_ID]
+    session = _session(model)
+    for i, (shapes, n, lq, heads, dim, points) in enumerate(RUN_CASES):
+        args = random_msda_inputs(shapes, n=n, lq=lq, heads=heads, dim=dim, points=points, lo=-0.3, hi=1.3,
+                                  seed=20 + i)
+        assert _max_err(_run(session, args), msda_reference(*args)) < 2e-6
+
+
+def test_fused_kernel_at_pixel_edges_and_far_outside():
+    h, w = 3, 4
+    xs = torch.tensor([k / (2 * w) for k in range(-3, 2 * w + 4)] + [-5.0, 7.0, 1e6])
+    ys = torch.tensor([k / (2 * h) for k in range(-3, 2 * h + 4)] + [-1e6, 3.0, 0.5])
+    grid = torch.stack(torch.meshgrid(xs, ys, indexing="ij"), -1).reshape(1, -1, 1, 1, 1, 2)
+    value, shapes, starts, _, _ = random_msda_inputs([(h, w)], n=1, heads=1, dim=3, points=1)
+    attn = torch.rand(1, grid.shape[1], 1, 1, 1)
+    args = (value, shapes, starts, grid, attn)
+    out = fused_kernel(*(a.numpy() for a in args))
+    assert _max_err(out, msda_reference(*args)) < 1e-6
+
+
+def test_fused_kernel_takes_half_inputs_and_names_bad_shapes():
+    args = random_msda_inputs([(5, 4), (2, 2)], n=2, lq=6, heads=2, dim=8, points=2)
+    half = [a.half() if a.is_floating_point() else a for a in args]
+    out = fused_kernel(*(a.numpy() for a in half))
+    assert out.dtype == np.float32
+    assert _max_err(out, msda_reference(*half)) < 1e-5
+    with pytest.raises(ValueError, match="more tokens than value has"):
+        fused_kernel(args[0][:, :10].numpy(), *(a.numpy() for a in args[1:]))
+    with pytest.raises(ValueError, match="do not match"):
+        fused_kernel(args[0].numpy(), args[1].numpy(), args[2].numpy(), args[3][..., :1].numpy(), args[4].numpy())
+
+
+def test_fused_eager_side_is_the_gather_formulation():
+    args = random_msda_inputs(EXPORT_SHAPES, n=2, lq=9, heads=2, dim=4, points=3, dtype=torch.float64)
+    out = multi_scale_deformable_attention(*args, sampler="fused")
+    assert out.dtype == torch.float64
+    assert torch.equal(out, multi_scale_deformable_attention(*args, sampler="gather"))
+
+
+def test_register_needs_nothing_for_portable_graphs_and_refuses_unknown_ops():
+    options = ort.SessionOptions()
+    assert custom_ops.register(options, []) is options
+    with pytest.raises(ValueError, match="d2export.Nope"):
+        custom_ops.register(ort.SessionOptions(), ["d2export.Nope"])
+
+
+_BLOCKED = """
+import sys
+sys.modules["onnxruntime_extensions"] = None  # as if the `fused` extra were not installed
+from d2export.runtime import custom_ops
+import onnxruntime as ort
+assert custom_ops.register(ort.SessionOptions(), []) is not None  # portable graphs never need it
+try:
+    custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+except custom_ops.MissingExtra as e:
+    print(e)
+assert "torch" not in sys.modules
+"""
+
+
+def test_missing_extra_is_one_clear_line():
+    done = subprocess.run([sys.executable, "-c", _BLOCKED], capture_output=True, text=True, cwd=ROOT,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    message = done.stdout.strip()
+    assert len(message.splitlines()) == 1
+    assert "pip install 'd2export[fused]'" in message and "onnxruntime_extensions" in message
+
+
+_TORCH_FREE = """
+import sys
+import numpy as np, onnx, onnxruntime as ort
+from onnx import TensorProto as T, helper
+from d2export.runtime import custom_ops
+from d2export.runtime.msda_kernel import msda
+types = [T.FLOAT, T.INT64, T.INT64, T.FLOAT, T.FLOAT]
+names = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
+node = helper.make_node(custom_ops.FUSED_MSDA, names, ["out"], domain=custom_ops.DOMAIN)
+graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, [None] * r)
+                                        for n, t, r in zip(names, types, [4, 2, 1, 6, 5])],
+                          [helper.make_tensor_value_info("out", T.FLOAT, [None] * 3)])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(custom_ops.DOMAIN, 1)])
+options = custom_ops.register(ort.SessionOptions(), custom_ops.graph_ops(model))
+session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+rng = np.random.default_rng(0)
+feed = {"value": rng.standard_normal((2, 30, 2, 4), np.float32), "spatial_shapes": np.array([[5, 4], [2, 5]]),
+        "level_start_index": np.array([0, 20]), "sampling_locations": rng.random((2, 6, 2, 2, 3, 2), np.float32),
+        "attention_weights": rng.random((2, 6, 2, 2, 3), np.float32)}
+assert np.array_equal(session.run(None, feed)[0], msda(*feed.values()))
+assert "torch" not in sys.modules
+print("ok")
+"""
+
+
+def test_registered_operator_runs_without_importing_torch():
+    """onnxruntime-extensions would import torch (2.4 s, ~650 MB) if it could; the runtime keeps it out."""
+    done = subprocess.run([sys.executable, "-c", _TORCH_FREE], capture_output=True, text=True, cwd=ROOT,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def _fake_model(folder: Path, ops) -> Path:
+    """A one-node graph and its manifest: enough for the Triton writer and the session cache."""
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["batch", 3])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", 3])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "g", [x], [y])
+    path = folder / "model.onnx"
+    onnx.save(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)]), str(path))
+    Manifest("model.onnx", "text_spotter", [TensorSpec("x", "float32", ["batch", 3])],
+             [TensorSpec("y", "float32", ["batch", 3])], 17, "torchscript", custom_ops=list(ops)
+             ).write(manifest_path(path))
+    return path
+
+
+def test_triton_repository_refuses_custom_ops_in_one_line(tmp_path):
+    from d2export.runtime.triton import main, write_repository
+
+    path = _fake_model(tmp_path, [custom_ops.FUSED_MSDA_ID])
+    with pytest.raises(ValueError, match="export.sampler=gather"):
+        write_repository(path, tmp_path / "repo")
+    assert not (tmp_path / "repo").exists()
+    assert main([str(path), str(tmp_path / "repo")]) == 2
+
+
+def test_session_cache_opens_the_optimized_graph_and_survives_damage(tmp_path):
+    from d2export.runtime.session_cache import cache_path, create_session
+
+    path = _fake_model(tmp_path, [])
+    x = {"x": np.array([[-1.0, 0.5, 2.0]], np.float32)}
+    first = create_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
+    cached = cache_path(path, ort.SessionOptions())
+    assert cached.is_file() and cached.parent.parent == tmp_path
+    second = create_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
+    assert np.array_equal(first.run(None, x)[0], second.run(None, x)[0])
+    cached.write_bytes(b"not a model")
+    third = create_session(path, ort.SessionOptions(), ["CPUExecutionProvider"])
+    assert np.array_equal(third.run(None, x)[0], [[0.0, 0.5, 2.0]])
+    onnx.load(str(cached))  # rewritten whole
+    os.utime(path, ns=(1, 1))  # the model changed: another key
+    assert cache_path(path, ort.SessionOptions()) != cached
+
+
+# --- the chunked gather graph ---------------------------------------------------------------------------------
+def _self_attention_args(shapes, n, seed=0):
+    lq = sum(h * w for h, w in shapes)
+    return random_msda_inputs(shapes, n=n, lq=lq, heads=2, dim=4, points=3, seed=seed)
+
+
+def test_chunked_gather_graph_is_size_general_and_exact():
+    """Self-attention (Lq = S) gathers in QUERY_CHUNKS pieces whose bounds follow Lq: the graph exported at two sizes
+    is byte-identical, and it is exact at other sizes, batches and with pieces left empty (Lq < QUERY_CHUNKS)."""
+    model = _export("gather", _self_attention_args([(6, 5), (3, 3)], n=1))
+    assert model == _export("gather", _self_attention_args([(7, 9), (4, 5)], n=2, seed=1))
+    gathers = [n for n in onnx.load_from_string(model).graph.node if n.op_type == "Gather"
+               and n.input[0].startswith("/Reshape")]
+    assert len(gathers) >= QUERY_CHUNKS
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for i, (shapes, n) in enumerate([([(9, 4), (5, 2)], 2), ([(2, 3), (1, 2)], 1), ([(13, 11), (7, 6)], 1)]):
+        args = _self_attention_args(shapes, n, seed=30 + i)
+        assert _max_err(_run(session, args), msda_reference(*args)) < 2e-6
+
+
+# --- the whole pipeline with the fused operator ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fused_export(tmp_path_factory):
+    from d2export import pipeline
+    from d2export.config import load
+
+    out = tmp_path_factory.mktemp("fused_export")
+    manifest = pipeline.export(load("textdet_tiny", [f"export.output_dir={out}", "export.sampler=fused"]))
+    return manifest, out / manifest.model_file
+
+
+def test_fused_export_is_verified_and_named_in_the_manifest(fused_export):
+    manifest, path = fused_export
+    assert manifest.custom_ops == [custom_ops.FUSED_MSDA_ID]
+    assert manifest.verification["passed"] is True
+    assert json.loads(manifest_path(path).read_text())["custom_ops"] == [custom_ops.FUSED_MSDA_ID]
+    nodes = onnx.load(str(path)).graph.node
+    # one node per MSDA call; tiny: one encoder layer, one decoder layer with a location and a text branch
+    assert sum(n.domain == custom_ops.DOMAIN for n in nodes) == 3
+
+
+def test_predictor_registers_the_operator_and_matches_the_portable_graph(fused_export, tiny_export):
+    from d2export.runtime import Predictor
+
+    _, fused_path = fused_export
+    _, _, portable_path = tiny_export
+    rng = np.random.default_rng(5)
+    image = rng.integers(0, 255, (150, 210, 3), dtype=np.uint8)
+    fused, portable = Predictor(fused_path, threads=2), Predictor(portable_path, threads=2)
+    a, b = (p.run([p.prepare(image)]) for p in (fused, portable))
+    np.testing.assert_allclose(a["scores"], b["scores"], atol=1e-5)
+    np.testing.assert_allclose(a["ctrl_points"], b["ctrl_points"], atol=1e-3)
+
+
+def test_config_refuses_fused_where_it_cannot_run():
+    from d2export.config import load
+
+    for bad in (["export.exporter=dynamo"], ["export.target=tensorrt"]):
+        with pytest.raises(ValueError, match="export.sampler=fused"):
+            load("textdet_tiny", ["export.output_dir=/tmp/unused", "export.sampler=fused", *bad])
