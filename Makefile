@@ -29,7 +29,7 @@ export: setup
 
 bench: setup
 	$(PY) tools/benchmark.py msda
-	$(PY) tools/benchmark.py e2e
+	$(PY) tools/benchmark.py e2e --plot docs/performance.png
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache
