@@ -46,7 +46,7 @@ setup(
     ],
     extras_require={
         "gpu": ["onnxruntime-gpu>=1.17"],
-        "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6", "tqdm>=4"],
+        "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6", "tqdm>=4", "prometheus_client>=0.17"],
         "slim": ["onnxslim>=0.1.30"],
         "batch": ["ray[data]>=2.40", "fsspec>=2023.12"],  # `d2export batch`
         # tritonclient: Triton's model-config protobuf, to check the configs triton-repo writes; matplotlib: benchmarks'

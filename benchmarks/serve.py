@@ -5,19 +5,30 @@ Modes, side by side from one run:
 - http: POST /predict with PNG bytes (decode, resize, run, JSON);
 - http+batch: the same with --max-batch C (concurrent requests share a session run).
 
+With --process, `d2export serve` runs as its own process instead (its defaults: bounded in-flight runs, batching
+where the graph allows; `--serve-args` adds options), once per entry of --process-modes, and its memory is reported:
+RSS before the timed requests, after, and the peak (VmHWM).
+
     python benchmarks/serve.py [--model model.onnx | --config textdet_tiny] [--requests 200] [--clients 2]
+    python benchmarks/serve.py --model model.onnx --process --clients 50 --requests 500
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def exported(config: str, out: Path) -> Path:
@@ -43,6 +54,39 @@ def timed(call: Callable[[], None], requests: int, clients: int) -> dict:
             "rps": requests / wall}
 
 
+def memory_mb(pid: int) -> dict:
+    """Current and peak resident memory of a process, from /proc (Linux)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {"rss": int(fields["VmRSS"].split()[0]) / 1024, "peak": int(fields["VmHWM"].split()[0]) / 1024}
+
+
+@contextlib.contextmanager
+def serve_process(model: Path, args: list[str]) -> Iterator[tuple[str, int]]:
+    """`d2export serve MODEL ARGS` on a free loopback port until the block ends; yields (base URL, pid)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "d2export.cli", "serve", str(model), "--port", str(port), *args],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"d2export serve did not start (exit {proc.poll()})")
+            time.sleep(0.2)
+        yield url, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="an exported .onnx; default: export --config into a temp dir")
@@ -56,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="direct,http,http+batch")
     ap.add_argument("--batch-timeout-ms", type=float, default=5.0, help="http+batch: how long a request waits")
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--process", action="store_true", help="run `d2export serve` as its own process; report memory")
+    ap.add_argument("--process-modes", default="batch:,no-batch:--max-batch 1",
+                    help="--process: name:serve options, comma-separated")
+    ap.add_argument("--serve-args", default="", help="--process: options added to every `d2export serve`")
     args = ap.parse_args(argv)
 
     import httpx
@@ -79,7 +127,31 @@ def main(argv: list[str] | None = None) -> int:
               f"onnxruntime threads {args.threads or 'default'}, {predictor.providers[0]}")
 
         rows = {}
-        for mode in args.modes.split(","):
+        if args.process:
+            import threading
+
+            def post() -> None:  # one connection per client thread, as separate clients would have
+                if not hasattr(local, "client"):
+                    local.client = httpx.Client(base_url=url, timeout=600)
+                r = local.client.post("/predict", content=png, headers={"content-type": "image/png"})
+                r.raise_for_status()
+
+            sizes = [f"--min-size {args.min_size}"] * bool(args.min_size) + [f"--max-size {args.max_size}"] * bool(
+                args.max_size) + [f"--threads {args.threads}"] * bool(args.threads)
+            for entry in args.process_modes.split(","):
+                mode, _, options = entry.partition(":")
+                serve_args = " ".join([options, args.serve_args, *sizes]).split()
+                with serve_process(model, serve_args) as (url, pid):
+                    local = threading.local()
+                    for _ in range(args.warmup):
+                        post()
+                    before = memory_mb(pid)
+                    rows[mode] = timed(post, args.requests, args.clients)
+                    after = memory_mb(pid)
+                rows[mode]["batches"] = (f"RSS {before['rss']:.0f} → {after['rss']:.0f} MB, peak {before['peak']:.0f}"
+                                         f" → {after['peak']:.0f} MB ({after['peak'] / before['peak']:.2f}x)")
+                print(f"{mode}: {rows[mode]}", flush=True)
+        for mode in args.modes.split(",") if not args.process else []:
             if mode == "direct":
                 call = lambda: predictor.predict(image)  # noqa: E731
                 for _ in range(args.warmup):
@@ -103,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows[mode]["batches"] = " ".join(f"{k}x{n}" for k, n in sorted(sizes.items()))
 
     base = rows.get("direct")
-    print(f"{'mode':<12} {'p50 ms':>9} {'p95 ms':>9} {'mean ms':>9} {'req/s':>8} {'p50 vs direct':>14}  batches")
+    print(f"{'mode':<12} {'p50 ms':>9} {'p95 ms':>9} {'mean ms':>9} {'req/s':>8} {'p50 vs direct':>14}  "
+          f"{'memory' if args.process else 'batches'}")
     for mode, r in rows.items():
         ratio = f"{r['p50'] / base['p50']:.2f}x" if base else "-"
         print(f"{mode:<12} {r['p50']:>9.1f} {r['p95']:>9.1f} {r['mean']:>9.1f} {r['rps']:>8.2f} {ratio:>14}  "

@@ -1,9 +1,11 @@
 """Import the user's code (with the compiled-op stand-ins in place), build their detectron2 model, load weights."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,15 @@ def _call_path(spec: str):
         raise UserError(f"model.cfg_factory={spec!r} cannot be loaded: {e}") from e
 
 
+@contextlib.contextmanager
+def quiet_imports():
+    """fvcore and detectron2 call torch.jit.script at import, which newer torch answers with a FutureWarning of two
+    lines each, printed before any export output or error: noise about libraries, not about the user's model."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+        yield
+
+
 def import_user_code(model: ModelConfig, plugin: PluginConfig, root: Path) -> None:
     from d2export.patching import compiled_ops
 
@@ -38,7 +49,8 @@ def import_user_code(model: ModelConfig, plugin: PluginConfig, root: Path) -> No
             sys.path.insert(0, path)
     for name in model.imports:
         try:
-            importlib.import_module(name)
+            with quiet_imports():
+                importlib.import_module(name)
         except Exception as e:
             raise UserError(f"model.imports: importing {name!r} failed: {type(e).__name__}: {e}") from e
 
@@ -79,8 +91,9 @@ def _instantiate(model: ModelConfig, d2cfg: Any) -> torch.nn.Module:
             return lazyconfig.build(d2cfg)
         except lazyconfig.LazyConfigError as e:
             raise UserError(str(e)) from e
-    from detectron2.modeling import META_ARCH_REGISTRY
-    from detectron2.modeling import build_model as d2_build
+    with quiet_imports():
+        from detectron2.modeling import META_ARCH_REGISTRY
+        from detectron2.modeling import build_model as d2_build
 
     arch = d2cfg.MODEL.META_ARCHITECTURE
     if arch not in META_ARCH_REGISTRY:
@@ -89,19 +102,56 @@ def _instantiate(model: ModelConfig, d2cfg: Any) -> torch.nn.Module:
     return d2_build(d2cfg)
 
 
-def build_model(model: ModelConfig, d2cfg: Any, root: Path) -> torch.nn.Module:
+def build_model(model: ModelConfig, d2cfg: Any, root: Path) -> tuple[torch.nn.Module, dict]:
+    """The model in eval mode, and what `load_weights` says about its weights."""
     torch.manual_seed(model.seed)
     net = _instantiate(model, d2cfg).eval()
-    if model.weights:
-        path = root / model.weights
-        if not path.is_file():
-            raise UserError(f"model.weights: no such file: {path}")
-        from detectron2.checkpoint import DetectionCheckpointer
+    return net, load_weights(net, model, root)
 
-        DetectionCheckpointer(net).load(str(path))
-    else:
+
+def load_weights(net: torch.nn.Module, model: ModelConfig, root: Path) -> dict:
+    """Loads `model.weights` through detectron2's checkpointer (its key renaming and format support), insisting that
+    it fits the model unless `model.strict_weights` is false. Returns the manifest's record of the weights."""
+    if not model.weights:
         log.warning("!" * 72)
         log.warning("model.weights is not set: exporting SEEDED RANDOM WEIGHTS (seed %d). The graph is real; its "
                     "answers are not.", model.seed)
         log.warning("!" * 72)
-    return net
+        return {"path": None, "random_seed": model.seed}
+    path = root / model.weights
+    if not path.is_file():
+        raise UserError(f"model.weights: no such file: {path}")
+    from detectron2.checkpoint import DetectionCheckpointer
+
+    from d2export.manifest import sha256_file
+
+    class Checking(DetectionCheckpointer):
+        """Keeps what did not fit for us to judge, instead of logging it as a warning."""
+
+        incompatible = None
+
+        def _load_model(self, checkpoint):
+            self.incompatible = super()._load_model(checkpoint)
+            return self.incompatible
+
+        def _log_incompatible_keys(self, incompatible) -> None:
+            pass
+
+    checkpointer = Checking(net)
+    try:
+        checkpointer.load(str(path))
+    except Exception as e:  # noqa: BLE001 - pickle/zip/torch errors alike: the file is not a checkpoint we can read
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"model.weights {path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
+    incompatible = checkpointer.incompatible
+    fit = {"missing": list(incompatible.missing_keys), "unexpected": list(incompatible.unexpected_keys),
+           "mismatched": [f"{k} {tuple(has)} vs model {tuple(wants)}"
+                          for k, has, wants in incompatible.incorrect_shapes]}
+    if any(fit.values()):
+        summary = "; ".join(f"{len(names)} {kind} ({', '.join(names[:3])}{', …' if len(names) > 3 else ''})"
+                            for kind, names in fit.items() if names)
+        if model.strict_weights:
+            raise UserError(f"model.weights {path} does not fit the model: {summary}; set model.strict_weights=false "
+                            "to export anyway")
+        log.warning("model.weights %s does not fit the model (model.strict_weights=false): %s", path, summary)
+    return {"path": str(path), "sha256": sha256_file(path), "strict": model.strict_weights} | fit

@@ -22,6 +22,9 @@ class ModelConfig:
     lazy_config: Optional[str] = None
     lazy_overrides: List[str] = field(default_factory=list)
     weights: Optional[str] = None  # None: seeded random weights (said loudly)
+    # every parameter and buffer must come from `weights`, each with the model's shape; false: export anyway, the
+    # missing/unexpected/mismatched names listed in the manifest
+    strict_weights: bool = True
     seed: int = 0
     # the model family (d2export/families: testr, rcnn, …); "auto" tries each in turn on the built model
     family: str = "auto"

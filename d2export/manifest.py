@@ -44,6 +44,7 @@ class Manifest:
     verification: dict[str, Any] = field(default_factory=dict)
     export_seconds: float = 0.0
     sha256: str = ""
+    weights: dict[str, Any] = field(default_factory=dict)  # path, sha256, strict, missing/unexpected/mismatched
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,13 +1,19 @@
 """The flow, in one direction: config → user code → model → patches → wrapper → export → lint → verify → manifest.
 
-Nothing lands at the destination unless every step passed: the graph is staged beside it and renamed at the end.
+Nothing lands at the destination unless every step passed: the graph and its manifest are staged beside it; the
+model is renamed into place first and its manifest last, so a manifest (the runtime's way in) always has its model
+and, by its sha256, names that very file. One export at a time writes a destination (a lock file beside it); each
+export starts by removing what a killed one left there (staged files, a model without its manifest).
+`D2EXPORT_FAULT_AT=<stage>` kills the export at that stage (SIGKILL), for the crash tests: see `FAULT_STAGES`.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import platform
+import signal
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,6 +44,7 @@ class Built:
     family: "families.Family"
     adapter: torch.nn.Module
     swapped: list[str]
+    weights: dict  # the manifest's record of the weights (building.load_weights)
 
 
 def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
@@ -49,7 +56,7 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     building.import_user_code(cfg.model, cfg.plugin, root)
     _step(2, "building the model", cfg.model.lazy_config or cfg.model.d2_config)
     d2cfg = building.load_config(cfg.model, root)
-    model = building.build_model(cfg.model, d2cfg, root)
+    model, weights = building.build_model(cfg.model, d2cfg, root)
     swapped = msda_swap.swap(model) if cfg.plugin.swap_msda else []
     log.info("MSDA modules swapped for the traceable core: %d", len(swapped))
     try:
@@ -60,7 +67,7 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     options = families.AdapterOptions(example=dummy_images(cfg.export.dummy_sizes, cfg.model.seed),
                                       text_logits=cfg.export.text_logits)
     adapter = family.adapter(model, d2cfg, options).eval()
-    return Built(cfg, d2cfg, model, family, adapter, swapped)
+    return Built(cfg, d2cfg, model, family, adapter, swapped, weights)
 
 
 def traced_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
@@ -109,49 +116,116 @@ def export_scope(built: Built) -> Iterator:
         yield report
 
 
+FAULT_STAGES = ("built", "exported", "verified", "staged", "model-published", "done")
+
+
+def _fault_point(stage: str) -> None:
+    if os.environ.get("D2EXPORT_FAULT_AT") == stage:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def destination_lock(final: Path) -> Iterator[None]:
+    """Holds `.<name>.lock` beside `final` for the block, refusing (one line) while another export holds it; the
+    kernel lets go of it when the holder dies, however it dies."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(f".{final.name}.lock"), "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            raise building.UserError(f"another export (pid {holder}) is writing {final}: wait for it, or choose "
+                                     "another export.output_dir/export.filename") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield
+
+
+def remove_orphans(final: Path) -> list[Path]:
+    """What a killed export of `final` left (under the lock, so no live export owns them): staged files, and a
+    model whose manifest is missing or names another file. Returns what was removed."""
+    manifest = manifest_path(final)
+    orphans = [*final.parent.glob(f".{final.stem}.*.staged.onnx"), *final.parent.glob(f".{manifest.stem}.*.tmp")]
+    if final.exists():
+        try:
+            paired = Manifest.read(manifest).sha256 == sha256_file(final)
+        except (OSError, ValueError, TypeError, KeyError):
+            paired = False
+        if not paired:
+            orphans += [final, manifest]
+    for path in orphans:
+        path.unlink(missing_ok=True)
+    if orphans:
+        log.warning("removed what an interrupted export left: %s", ", ".join(p.name for p in orphans))
+    return orphans
+
+
 def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
+    final = Path(cfg.export.output_dir) / cfg.export.filename
+    with destination_lock(final):
+        remove_orphans(final)
+        return _export(cfg, root, final)
+
+
+def _export(cfg: D2ExportConfig, root: Path | None, final: Path) -> Manifest:
     started = time.perf_counter()
     built = prepare(cfg, root)
+    _fault_point("built")
     adapter, e = built.adapter, cfg.export
-    final = Path(e.output_dir) / e.filename
     cases = []
     if cfg.verify.enabled:
         _step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
         cases = verification_cases(built)  # eager, before any export-time patch: the independent side
     args = torch_inputs(adapter, dummy_images(traced_sizes(cfg), cfg.model.seed))
     axes = adapter.dynamic_axes if e.dynamic else None
-    with staged(final, suffix=".staged.onnx") as staged_model:
-        with export_scope(built) as report:
-            _step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
-            result = export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
-                                 output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
-                                 exporter=e.exporter, simplify=e.simplify)
-            log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
-            lint = _lint(built, staged_model, result, axes) if e.lint else None
-        log.info("patches:\n%s", report)
-        if lint is not None:
-            log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
-        verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
-                        else {"passed": None})
+    with contextlib.ExitStack() as publish:  # the manifest is staged outside the model: renamed after it
+        staged_manifest = publish.enter_context(staged(manifest_path(final)))
+        with staged(final, suffix=".staged.onnx") as staged_model:
+            with export_scope(built) as report:
+                _step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
+                result = export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
+                                     output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
+                                     exporter=e.exporter, simplify=e.simplify)
+                log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
+                _fault_point("exported")
+                lint = _lint(built, staged_model, result, axes) if e.lint else None
+            log.info("patches:\n%s", report)
+            if lint is not None:
+                log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
+            verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
+                            else {"passed": None})
+            _fault_point("verified")
+            manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
+            manifest.write(staged_manifest)
+            _fault_point("staged")
+        # the model is in place; its manifest follows (a failure or kill in between leaves an orphan the next removes)
+        _fault_point("model-published")
+    _fault_point("done")
+    _step(6, "done", f"{final} ({final.stat().st_size / 1e6:.1f} MB), manifest {manifest_path(final).name}")
+    return manifest
+
+
+def _manifest(built: Built, model: Path, name: str, report, lint, verification: dict, started: float) -> Manifest:
     import onnx
 
-    onnx_model = onnx.load(str(final), load_external_data=False)
+    e = built.cfg.export
+    onnx_model = onnx.load(str(model), load_external_data=False)
     graph = onnx_model.graph
     opset = next(o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx"))
     if opset != e.opset:  # torch.export has no translations below 18 and keeps 18 when conversion fails
         log.warning("asked for opset %d, the exporter wrote opset %d", e.opset, opset)
-    manifest = Manifest(
-        model_file=final.name, family=built.family.name,
+    return Manifest(
+        model_file=name, family=built.family.name,
         inputs=_specs(graph.input), outputs=_specs(graph.output),
         opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
         preprocess=built.family.preprocess(built.d2cfg), postprocess=built.family.postprocess(built.d2cfg),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
-        export_seconds=round(time.perf_counter() - started, 2), sha256=sha256_file(final),
+        export_seconds=round(time.perf_counter() - started, 2), sha256=sha256_file(model), weights=built.weights,
     )
-    manifest.write(manifest_path(final))
-    _step(6, "done", f"{final} ({final.stat().st_size / 1e6:.1f} MB), manifest {manifest_path(final).name}")
-    return manifest
 
 
 def _step(i: int, what: str, detail: str = "") -> None:

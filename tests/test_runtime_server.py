@@ -84,8 +84,8 @@ def test_predict_raw_bytes_and_multipart(client, predictor):
     r = client.post("/predict?score_threshold=0.0", content=jpeg)
     assert r.status_code == 200 and (r.json()["height"], r.json()["width"]) == (90, 300)
     instances_close(r.json()["instances"], predictor.predict(decode_image(jpeg)))
-    r = client.post("/predict?score_threshold=2", content=png)
-    assert r.status_code == 200 and r.json()["instances"] == []
+    r = client.post("/predict?score_threshold=1", content=png)
+    assert r.status_code == 200 and all(i["score"] >= 1 for i in r.json()["instances"])
 
 
 def test_bad_requests_get_4xx_and_the_server_keeps_serving(client):

@@ -21,6 +21,31 @@ class ImageTooLarge(BadImage):
     status = 413
 
 
+class UnusableImage(BadImage):
+    """Decodes, but cannot be made into the model's input (an extreme aspect ratio, out-of-range float pixels)."""
+
+    status = 422
+
+
+def _to_8bit(im) -> "Image.Image":
+    """Pillow's convert("RGB") clips 16-bit and float pixels to 255 (a 16-bit PNG turns white, a float TIFF black):
+    scale them to 0-255 ourselves. Integers are taken as full-range 16 bit; floats must lie in [0, 1]."""
+    from PIL import Image
+
+    if im.mode.startswith("I"):  # I;16, I;16B, I (32-bit, how some formats hand over 16-bit data)
+        arr = np.asarray(im).astype(np.float64)
+        if arr.size and (arr.min() < 0 or arr.max() > 65535):
+            raise UnusableImage(f"{im.mode} picture has pixels outside 0..65535 ({arr.min():g}..{arr.max():g})")
+        return Image.fromarray(np.round(arr / 257).astype(np.uint8))
+    if im.mode == "F":
+        arr = np.asarray(im).astype(np.float64)
+        if arr.size and not (np.isfinite(arr).all() and arr.min() >= 0 and arr.max() <= 1):
+            raise UnusableImage("float picture must hold finite values in [0, 1] "
+                                f"(found {np.nanmin(arr):g}..{np.nanmax(arr):g}); convert it to 8-bit first")
+        return Image.fromarray(np.round(arr * 255).astype(np.uint8))
+    return im
+
+
 def decode_image(data: bytes, max_pixels: int = MAX_PIXELS) -> np.ndarray:
     """Encoded image bytes → HWC uint8 RGB, upright per its EXIF orientation (as detectron2's read_image)."""
     from PIL import Image, ImageOps
@@ -37,7 +62,7 @@ def decode_image(data: bytes, max_pixels: int = MAX_PIXELS) -> np.ndarray:
             if w * h > max_pixels:
                 raise ImageTooLarge(f"image is {w}x{h} = {w * h / 1e6:.1f} MP; the limit is {max_pixels / 1e6:.1f} MP")
             im.load()  # decodes: a truncated or corrupt file fails here
-            im = ImageOps.exif_transpose(im).convert("RGB")
+            im = _to_8bit(ImageOps.exif_transpose(im)).convert("RGB")
     except BadImage:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:

@@ -1,10 +1,13 @@
 """`d2export infer MODEL IMAGE_OR_FOLDER …`: one JSON line per picture (its file, size and instances), pictures of the
-results with --vis. A picture that cannot be read gets a line with its error; the exit status is then 1."""
+results with --vis. A picture that fails, for whatever reason, gets a line with its error and the rest are still
+processed; the exit status is then 1."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -36,8 +39,15 @@ def _progress(items: list, enabled: bool) -> Iterator:
     return iter(tqdm(items, unit="img", file=sys.stderr))
 
 
+def shown(path: Path) -> str:
+    """A path as text that always encodes: bytes that are not UTF-8 (kept by Python as surrogates) as \\xNN."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def _unique(stem: str, used: set[str]) -> str:
-    """`stem.png`, or `stem_1.png`, … where folders hold pictures of the same name."""
+    """A safe `stem.png` (letters, digits, `_-.` only, no leading dot), or `stem_1.png`, … where folders hold pictures
+    of the same name."""
+    stem = re.sub(r"[^\w.-]", "_", shown(Path(stem))).lstrip(".") or "image"
     name, i = f"{stem}.png", 0
     while name in used:
         i += 1
@@ -67,18 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     failed, used = 0, set()
     show_bar = not args.no_progress and (len(files) > 1 or any(Path(p).is_dir() for p in args.inputs))
     with contextlib.ExitStack() as stack:
-        out = sys.stdout if args.output == "-" else stack.enter_context(open(args.output, "w"))
+        out = sys.stdout if args.output == "-" else stack.enter_context(open(args.output, "w", encoding="utf-8"))
         for f in _progress(files, show_bar):
             try:
                 image = read_image(f)
                 result = predictor.predict(image)
-            except (OSError, BadImage) as e:
+                line = {"file": shown(f)} | result.to_dict()
+                if vis:
+                    draw_prediction(image, result).save(vis / _unique(f.stem, used), format="PNG")
+            except Exception as e:  # noqa: BLE001 - one picture never ends the run: its line says why
                 failed += 1
-                out.write(json.dumps({"file": str(f), "error": str(e)}) + "\n")
-                continue
-            out.write(json.dumps({"file": str(f)} | result.to_dict(), ensure_ascii=False) + "\n")
-            if vis:
-                draw_prediction(image, result).save(vis / _unique(f.stem, used))
+                why = str(e) if isinstance(e, (OSError, BadImage)) else f"{type(e).__name__}: {e}"
+                line = {"file": shown(f), "error": why.encode("utf-8", "backslashreplace").decode()}
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
     if failed:
-        print(f"d2export infer: {failed} of {len(files)} pictures could not be read", file=sys.stderr)
+        print(f"d2export infer: {failed} of {len(files)} pictures failed (see their 'error' lines)", file=sys.stderr)
     return 1 if failed else 0

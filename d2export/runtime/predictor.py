@@ -16,18 +16,24 @@ from typing import Any, Sequence
 import numpy as np
 
 from d2export import families
-from d2export.imaging import pad_batch, resize_shortest_edge
+from d2export.imaging import pad_batch, resize_shortest_edge, resized_shape
 from d2export.instances import Instance, Prediction, TextInstance  # noqa: F401 - the runtime's public types
-from d2export.manifest import Manifest, manifest_path
+from d2export.manifest import Manifest, manifest_path, sha256_file
 from d2export.runtime import custom_ops
+from d2export.runtime.images import UnusableImage
 from d2export.runtime.session_cache import create_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 PIXEL_FORMATS = ("RGB", "BGR")
+ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}  # numpy dtype names onnxruntime spells otherwise
 
 
 class ProviderUnavailable(RuntimeError):
     pass
+
+
+class ModelLoadError(ValueError):
+    """The model or its manifest is missing, unreadable or not the pair they claim to be: one line, naming the file."""
 
 
 @dataclass
@@ -91,6 +97,10 @@ class Processing:
             raise ValueError(f"format {format!r}: choose one of {PIXEL_FORMATS}")
         if format != self.input_format:
             image = image[:, :, ::-1]
+        h, w = image.shape[:2]
+        if min(resized_shape(h, w, self.min_size, self.max_size)) < 1:
+            raise UnusableImage(f"picture is {w}x{h}: its aspect ratio is too extreme to resize to "
+                                f"{self.min_size}..{self.max_size} px (a side would be 0 px)")
         resized = resize_shortest_edge(np.ascontiguousarray(image), self.min_size, self.max_size)
         return Prepared(np.ascontiguousarray(resized.transpose(2, 0, 1)), image.shape[0], image.shape[1])
 
@@ -121,13 +131,15 @@ class Processing:
 class Predictor(Processing):
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
                  score_threshold: float | None = None, provider_options: Sequence[dict] | None = None,
-                 min_size: int | None = None, max_size: int | None = None):
+                 min_size: int | None = None, max_size: int | None = None, verify_hash: bool = True):
         """`threads`: onnxruntime's intra-op threads (0: its default, one per core). The manifest
-        (`model.manifest.json` beside the model) says everything else; see `Processing` for the overrides."""
+        (`model.manifest.json` beside the model) says everything else; see `Processing` for the overrides. The model
+        must be the one its manifest describes (its sha256 unless `verify_hash=False`, and its inputs and outputs),
+        else ModelLoadError."""
         import onnxruntime as ort
 
-        self.model_path = Path(model_path)
-        super().__init__(Manifest.read(manifest_path(self.model_path)), score_threshold, min_size, max_size)
+        self.model_path, self.threads = Path(model_path), int(threads)
+        super().__init__(load_manifest(self.model_path, verify_hash), score_threshold, min_size, max_size)
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(threads)
@@ -139,7 +151,12 @@ class Predictor(Processing):
         self.providers = resolve_providers(providers)
         kwargs = {"provider_options": list(provider_options) + [{}] * (len(self.providers) - len(provider_options))
                   } if provider_options else {}
-        self.session = create_session(self.model_path, options, self.providers, **kwargs)
+        try:
+            self.session = create_session(self.model_path, options, self.providers, **kwargs)
+        except Exception as e:  # noqa: BLE001 - onnxruntime's protobuf/graph errors span many lines and types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelLoadError(f"{self.model_path}: not a loadable ONNX model ({first[:300]})") from None
+        check_schema(self.model_path, self.manifest, self.session)
 
     # the graph -----------------------------------------------------------------------------------------------------
     def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
@@ -173,6 +190,42 @@ class Predictor(Processing):
                 "versions": m.versions}
 
 
+def load_manifest(model_path: Path, verify_hash: bool = True) -> Manifest:
+    """The manifest beside `model_path`, checked to describe that very file (by sha256 unless told not to)."""
+    if not model_path.is_file():
+        raise ModelLoadError(f"model file not found: {model_path}")
+    path = manifest_path(model_path)
+    if not path.is_file():
+        raise ModelLoadError(f"{model_path} has no manifest beside it ({path.name} not found; an export into that "
+                             "folder may have been interrupted: rerun it)")
+    try:
+        manifest = Manifest.read(path)
+    except (ValueError, TypeError, KeyError) as e:  # bad JSON, missing or unknown fields
+        raise ModelLoadError(f"{path}: not a readable d2export manifest ({type(e).__name__}: {e})") from None
+    if verify_hash:
+        actual = sha256_file(model_path)
+        if manifest.sha256 != actual:
+            raise ModelLoadError(f"{model_path} is not the model {path.name} describes: sha256 {actual[:16]}… vs "
+                                 f"{(manifest.sha256 or 'none')[:16]}… recorded (pass --no-verify-hash to skip)")
+    return manifest
+
+
+def check_schema(model_path: Path, manifest: Manifest, session) -> None:
+    """The graph's inputs and outputs must be the manifest's: names, element types and ranks."""
+    def ours(specs):
+        return [(t.name, f"tensor({ORT_TYPE_NAMES.get(t.dtype, t.dtype)})", len(t.shape)) for t in specs]
+
+    def theirs(args):
+        return [(a.name, a.type, len(a.shape)) for a in args]
+
+    for kind, want, got in (("inputs", ours(manifest.inputs), theirs(session.get_inputs())),
+                            ("outputs", ours(manifest.outputs), theirs(session.get_outputs()))):
+        if want != got:
+            diff = next((w, g) for w, g in zip(want + [None] * len(got), got + [None] * len(want)) if w != g)
+            raise ModelLoadError(f"{model_path}: graph {kind} differ from {manifest_path(model_path).name} "
+                                 f"(manifest {diff[0]}, graph {diff[1]})")
+
+
 def add_predictor_arguments(ap) -> None:
     """The command-line options every serving command shares (argparse)."""
     ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
@@ -181,8 +234,11 @@ def add_predictor_arguments(ap) -> None:
     ap.add_argument("--score-threshold", type=float, default=None, help="default: the manifest's")
     ap.add_argument("--min-size", type=int, default=None, help="shortest edge to resize to (default: the manifest's)")
     ap.add_argument("--max-size", type=int, default=None, help="longest edge cap (default: the manifest's)")
+    ap.add_argument("--no-verify-hash", action="store_true",
+                    help="skip checking the model's sha256 against its manifest (huge files); inputs and outputs "
+                         "are still checked")
 
 
 def predictor_from_args(args) -> Predictor:
     return Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold,
-                     min_size=args.min_size, max_size=args.max_size)
+                     min_size=args.min_size, max_size=args.max_size, verify_hash=not args.no_verify_hash)
