@@ -68,9 +68,7 @@ def load_config(model: ModelConfig, root: Path) -> Any:
 
 
 def load_d2_config(model: ModelConfig, root: Path) -> Any:
-    path = root / model.d2_config
-    if not path.is_file():
-        raise UserError(f"model.d2_config: no such file: {path}")
+    path = d2_config_path(model.d2_config, root)
     cfg = _call_path(model.cfg_factory)()
     try:
         cfg.merge_from_file(str(path))
@@ -81,6 +79,20 @@ def load_d2_config(model: ModelConfig, root: Path) -> Any:
     cfg.MODEL.WEIGHTS = ""
     cfg.freeze()
     return cfg
+
+
+def d2_config_path(name: str, root: Path) -> Path:
+    """A YAML path (relative to `root`), or a name inside detectron2's model zoo
+    (`COCO-Detection/retinanet_R_50_FPN_1x.yaml`)."""
+    path = root / name
+    if path.is_file():
+        return path
+    from detectron2 import model_zoo
+
+    try:
+        return Path(model_zoo.get_config_file(name))
+    except RuntimeError:
+        raise UserError(f"model.d2_config: no such file: {path}, nor {name!r} in detectron2's model zoo") from None
 
 
 def _instantiate(model: ModelConfig, d2cfg: Any) -> torch.nn.Module:

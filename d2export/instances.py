@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 _POINT_LISTS = ("polygon", "beziers", "boundary", "keypoints")
 
 
@@ -50,3 +52,29 @@ class Prediction:
             if inst.get("closed", True):
                 inst.pop("closed", None)
         return d
+
+
+def encode_mask(mask: np.ndarray) -> dict[str, Any]:
+    """HxW bool → COCO run-length encoding {"size": [h, w], "counts": …}: pycocotools' compressed string where it is
+    installed (what COCO tools expect); else the uncompressed counts list (also valid COCO RLE, read by pycocotools'
+    frPyObjects), so a serving image without pycocotools' C extension still serves masks."""
+    try:
+        from pycocotools import mask as coco_mask
+    except ImportError:
+        column_major = np.asfortranarray(mask).ravel(order="F").astype(np.int8)
+        changes = np.flatnonzero(np.diff(np.concatenate([[0], column_major, [1 - column_major[-1]]])))
+        return {"size": list(mask.shape), "counts": np.diff(np.concatenate([[0], changes])).tolist()}
+    rle = coco_mask.encode(np.asfortranarray(mask.astype(np.uint8)))
+    return {"size": [int(s) for s in rle["size"]], "counts": rle["counts"].decode("ascii")}
+
+
+def decode_mask(rle: dict[str, Any]) -> np.ndarray:
+    """COCO RLE (either form `encode_mask` writes) → HxW bool."""
+    h, w = rle["size"]
+    counts = rle["counts"]
+    if isinstance(counts, str):
+        from pycocotools import mask as coco_mask
+
+        return coco_mask.decode({"size": [h, w], "counts": counts.encode("ascii")}).astype(bool)
+    values = np.repeat(np.arange(len(counts)) % 2, counts).astype(bool)
+    return values.reshape(w, h).T

@@ -96,6 +96,9 @@ def verification_cases(built: Built) -> list[verify_mod.Case]:
     groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
     if built.cfg.verify.batch and built.adapter.batchable:
         groups.append([sizes[0], sizes[2 if len(sizes) > 2 else -1]])
+    elif built.cfg.verify.batch:
+        log.warning("verify.batch: no batch case, the %s graph takes one image per run (fixed batch axis)",
+                    built.family.name)
     cases = []
     for i, group in enumerate(groups):
         images = dummy_images(group, seed=1000 + 10 * i)

@@ -355,6 +355,19 @@ def _gather_shape(x):
     return x.reshape(n, c, h * w) * x.size(-1)
 
 
+def _keypoints_from_heatmaps(maps, rois):
+    from detectron2.modeling.roi_heads import keypoint_head
+
+    return keypoint_head.heatmaps_to_keypoints(maps, rois)  # looked up at call time, as keypoint_rcnn_inference does
+
+
+def _heatmaps_and_rois(h, w):
+    """Per-ROI heatmaps and boxes: the ROI count follows h, box sizes follow (h, w), so every run size differs."""
+    n = h // 4 + 1
+    corner = randn(n, 2).abs() * 10
+    return [randn(n, 3, 14, 14), torch.cat([corner, corner + torch.tensor([w, h]) * (1 + randn(n, 1).abs())], 1)]
+
+
 # patch -> [(target that needs it, or None for opt-in ones; op as users write it; inputs at (h, w); dynamic dims)]
 SIZE_GENERAL = {
     "inverse": [(Target(17), lambda a: torch.linalg.inv(a), lambda h, w: [randn(h, w, 3, 3) / 3 + torch.eye(3)],
@@ -395,6 +408,7 @@ SIZE_GENERAL = {
     "sizes-as-tensor": [(Target(17), _sizes_of, lambda h, w: [randn(1, h, w), randn(2, 1, w // 2 + 1, h + 3)],
                          [[1, 2], [2, 3]])],
     "shape-gather": [(Target(17, "tensorrt"), _gather_shape, _image(), [[0, 2, 3]])],
+    "keypoints-from-heatmaps": [(Target(17), _keypoints_from_heatmaps, _heatmaps_and_rois, [[0], [0]])],
 }
 SIZE_GENERAL_CASES = [(name, *case) for name, cases in SIZE_GENERAL.items() for case in cases]
 

@@ -1,34 +1,47 @@
-"""detectron2's own meta-architectures (GeneralizedRCNN, …) through detectron2's TracingAdapter.
+"""detectron2's GeneralizedRCNN (Faster, Mask and Keypoint R-CNN): boxes, scores, labels, and masks and keypoints
+where the model has those heads.
 
-Recognised as the general fallback: any detectron2 model with an `inference(batched_inputs, do_postprocess=)`.
-Input `image` [3, H, W] float in the model's pixel format, one image; outputs are the fields of the raw (not
-rescaled) Instances in sorted order, then `image_size` (see d2export/tracing/rcnn.py).
+Recognised by detectron2's `inference(batched_inputs, do_postprocess=)` returning Instances (PanopticFPN's, which
+returns semantic maps beside them, is families/panoptic_fpn.py). Graph: d2export/tracing/rcnn.py (one image per run,
+outputs in input pixels, score threshold 0 in the graph, the model's own in the manifest). Serving: d2export/
+families/_detections.py (boxes rescaled and clipped as detector_postprocess does, masks pasted there).
 """
 from __future__ import annotations
 
 import inspect
 
 from d2export.families import AdapterOptions, Family
+from d2export.families._detections import detection_instances, detection_postprocess
+
+
+def has_rcnn_inference(model) -> str | None:
+    inference = getattr(model, "inference", None)
+    if not callable(inference) or "do_postprocess" not in inspect.signature(inference).parameters:
+        return "needs detectron2's inference(batched_inputs, do_postprocess=...) (GeneralizedRCNN's)"
+    return None
 
 
 class RCNN(Family):
     name = "rcnn"
-    summary = "detectron2 R-CNN models through detectron2's TracingAdapter"
+    summary = "detectron2 R-CNN models (Faster/Mask/Keypoint R-CNN): boxes, masks, keypoints"
     priority = 90
 
     def missing(self, model):
-        inference = getattr(model, "inference", None)
-        if not callable(inference) or "do_postprocess" not in inspect.signature(inference).parameters:
-            return "needs detectron2's inference(batched_inputs, do_postprocess=...) (GeneralizedRCNN's)"
-        return None
+        if hasattr(model, "sem_seg_head"):
+            return "has a semantic segmentation head (a panoptic model)"
+        return has_rcnn_inference(model)
 
     def adapter(self, model, cfg, options: AdapterOptions):
-        from d2export.tracing.rcnn import RCNNAdapter
+        from d2export.tracing.rcnn import RCNNAdapter, zero_score_thresholds
 
+        zero_score_thresholds(model)
         return RCNNAdapter(model, options.example[0])
 
     def postprocess(self, cfg):
-        return {"score_threshold": float(cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST)}
+        return detection_postprocess(cfg, cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST)
+
+    def instances(self, outputs, index, input_hw, original_hw, post, threshold):
+        return detection_instances(outputs, index, input_hw, original_hw, post, threshold)
 
 
 FAMILY = RCNN()

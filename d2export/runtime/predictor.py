@@ -82,6 +82,9 @@ class Processing:
         self.post = dict(post)
         self.input_dtypes = {t.name: np.dtype(t.dtype) for t in manifest.inputs}
         self.output_names = [t.name for t in manifest.outputs]
+        # a graph whose batch axis is a number (detectron2's own detectors: 1) takes at most that many pictures a run
+        fixed = [t.shape[0] for t in manifest.inputs if t.shape and isinstance(t.shape[0], int)]
+        self.max_batch = min(fixed) if fixed else None
 
     # pre-processing ------------------------------------------------------------------------------------------------
     def prepare(self, image: np.ndarray, format: str = "RGB") -> Prepared:
@@ -106,6 +109,9 @@ class Processing:
 
     def feeds(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
         """Pictures → the graph's inputs for one batch, zero-padded to a common size, in the graph's dtypes."""
+        if self.max_batch and len(prepared) > self.max_batch:
+            raise ValueError(f"this graph takes at most {self.max_batch} picture(s) per run (its input batch is fixed; "
+                             "predict_batch splits larger batches)")
         images, sizes = pad_batch([p.chw for p in prepared])
         feeds = {"images": images, "image_sizes": sizes}
         return {name: feeds[name].astype(dtype, copy=False) for name, dtype in self.input_dtypes.items()}
@@ -166,9 +172,15 @@ class Predictor(Processing):
     # all together --------------------------------------------------------------------------------------------------
     def predict_prepared(self, prepared: Sequence[Prepared],
                          score_thresholds: Sequence[float | None] | None = None) -> list[Prediction]:
-        outputs = self.run(prepared)
-        thresholds = score_thresholds or [None] * len(prepared)
-        return [self.postprocess(outputs, i, p, t) for i, (p, t) in enumerate(zip(prepared, thresholds))]
+        """Pictures → predictions: one session run, or one per `max_batch` pictures where the graph's batch is fixed."""
+        thresholds = list(score_thresholds or [None] * len(prepared))
+        step = self.max_batch or max(len(prepared), 1)
+        found = []
+        for start in range(0, len(prepared), step):
+            chunk = list(prepared[start : start + step])
+            outputs = self.run(chunk)
+            found += [self.postprocess(outputs, i, p, t) for i, (p, t) in enumerate(zip(chunk, thresholds[start:]))]
+        return found
 
     def predict_batch(self, images: Sequence[np.ndarray], format: str = "RGB",
                       score_threshold: float | None = None) -> list[Prediction]:

@@ -1,0 +1,148 @@
+"""detectron2's own model zoo (the YAMLs inside the installed detectron2) through families rcnn, retinanet and
+panoptic_fpn: export + verification at a size and its transpose, and the onnxruntime Predictor against detectron2's
+DefaultPredictor on pictures of other sizes (boxes, scores, classes, pasted masks, keypoints).
+
+The zoo configs are shrunk with detectron2 opts (ResNet-18 trunk, thin heads, few proposals, small test sizes) so each
+model exports in seconds; the structure (FPN, heads, post-processing) is the zoo's own.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from d2export import pipeline
+from d2export.config import load
+from d2export.instances import decode_mask
+from d2export.runtime.predictor import Predictor
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["MODEL.RESNETS.DEPTH", "18", "MODEL.RESNETS.RES2_OUT_CHANNELS", "64", "MODEL.FPN.OUT_CHANNELS", "32",
+         "MODEL.RPN.PRE_NMS_TOPK_TEST", "200", "MODEL.RPN.POST_NMS_TOPK_TEST", "30", "TEST.DETECTIONS_PER_IMAGE", "8",
+         "MODEL.ROI_BOX_HEAD.FC_DIM", "64", "MODEL.ROI_MASK_HEAD.CONV_DIM", "32", "MODEL.ROI_MASK_HEAD.NUM_CONV", "1",
+         "MODEL.ROI_KEYPOINT_HEAD.CONV_DIMS", "(32, 32)", "MODEL.SEM_SEG_HEAD.CONVS_DIM", "32",
+         "MODEL.RETINANET.NUM_CONVS", "1", "INPUT.MIN_SIZE_TEST", "160", "INPUT.MAX_SIZE_TEST", "256",
+         # random weights score ~1/81 per class: a low threshold gives both sides detections to compare
+         "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.005", "MODEL.RETINANET.SCORE_THRESH_TEST", "0.004"]
+MODELS = {  # zoo name → (family, outputs, classes)
+    "COCO-Detection/retinanet_R_50_FPN_1x.yaml": ("retinanet", ["boxes", "scores", "labels"], 80),
+    "COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml": ("rcnn", ["boxes", "scores", "labels", "masks"], 80),
+    "COCO-Keypoints/keypoint_rcnn_R_50_FPN_1x.yaml": ("rcnn", ["boxes", "scores", "labels", "keypoints"], 1),
+    "COCO-PanopticSegmentation/panoptic_fpn_R_50_1x.yaml": ("panoptic_fpn",
+                                                            ["boxes", "scores", "labels", "masks", "sem_seg"], 80),
+}
+EXPORT_HW = (160, 224)
+PICTURES = [(150, 230), (260, 170)]  # original sizes the Predictor resizes (non-square, other aspect ratios)
+
+
+def zoo_config(name: str, out: Path, *more: str):
+    return load("rcnn", [f"model.d2_config={name}", "model.family=auto", "model.opts=[" + ",".join(f"'{o}'" for o in SMALL) + "]",
+                         f"export.output_dir={out}", f"export.dummy_sizes=[[{EXPORT_HW[0]},{EXPORT_HW[1]}]]",
+                         f"verify.sizes=[[{EXPORT_HW[0]},{EXPORT_HW[1]}],[{EXPORT_HW[1]},{EXPORT_HW[0]}]]",
+                         "export.lint=false", *more])
+
+
+@pytest.fixture(scope="module", params=list(MODELS), ids=lambda n: Path(n).stem)
+def exported(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("zoo")
+    cfg = zoo_config(request.param, out)
+    manifest = pipeline.export(cfg)
+    return request.param, cfg, manifest, out / manifest.model_file
+
+
+def test_zoo_model_exports_and_verifies_at_a_size_and_its_transpose(exported):
+    name, cfg, manifest, _ = exported
+    family, outputs, classes = MODELS[name]
+    assert manifest.family == family
+    assert [t.name for t in manifest.inputs] == ["images", "image_sizes"]
+    assert manifest.inputs[0].shape == [1, 3, "height", "width"]  # batch fixed: detectron2 unrolls it
+    assert [t.name for t in manifest.outputs] == outputs
+    assert manifest.outputs[0].shape == [1, "detections", 4]
+    v = manifest.verification
+    h, w = EXPORT_HW
+    assert v["passed"] is True and {c["case"] for c in v["cases"]} == {f"{h}x{w}", f"{w}x{h}"}
+    post = manifest.postprocess
+    assert post["class_names"][0] == "person" and len(post["class_names"]) == classes  # COCO, from detectron2's metadata
+    assert post["score_threshold"] == (0.004 if family == "retinanet" else 0.005)  # the model's own, not the graph's 0
+
+
+def _default_predictor(cfg):
+    """detectron2's DefaultPredictor on the same config and seeded weights (independent of d2export's graph)."""
+    from detectron2.engine import DefaultPredictor
+
+    from d2export import building
+
+    d2cfg = building.load_d2_config(cfg.model, REPO).clone()
+    torch.manual_seed(cfg.model.seed)
+    return DefaultPredictor(d2cfg)
+
+
+def test_predictor_matches_detectron2_default_predictor(exported):
+    name, cfg, manifest, model_path = exported
+    predictor = Predictor(model_path, threads=1)
+    reference = _default_predictor(cfg)
+    rng = np.random.default_rng(5)
+    compared = 0
+    for h, w in PICTURES:
+        bgr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        bgr[h // 4 : h // 2, w // 3 : w // 2] = rng.integers(0, 60)  # a dark patch: some structure to detect
+        got = predictor.predict(bgr, format="BGR")
+        with torch.no_grad():
+            out = reference(bgr)
+        want = out["instances"]
+        assert (got.height, got.width) == (h, w)
+        assert len(got.instances) == len(want) > 0, (name, h, w)
+        boxes = np.array([i.box for i in got.instances])
+        np.testing.assert_allclose(boxes, want.pred_boxes.tensor.numpy(), atol=0.02)
+        np.testing.assert_allclose([i.score for i in got.instances], want.scores.numpy(), atol=1e-4)
+        assert [i.label for i in got.instances] == want.pred_classes.tolist()
+        names = manifest.postprocess["class_names"]
+        assert [i.class_name for i in got.instances] == [names[c] for c in want.pred_classes.tolist()]
+        if want.has("pred_masks"):
+            masks = np.stack([decode_mask(i.mask) for i in got.instances])
+            assert masks.shape == tuple(want.pred_masks.shape)
+            assert (masks != want.pred_masks.numpy()).mean() < 1e-3  # ≥ 0.5 may flip on a boundary pixel
+            assert masks.any()
+        if want.has("pred_keypoints"):
+            kp = np.array([i.keypoints for i in got.instances])
+            ref = want.pred_keypoints.numpy()
+            assert kp.shape == ref.shape and (kp[..., 0] < w + 1).all()
+            close = np.abs(kp - ref).max(-1) < 0.05
+            assert close.mean() > 0.98  # a heatmap argmax may move on a near-tie
+        compared += len(want)
+    assert compared > 0
+
+
+def test_predictor_splits_a_batch_for_a_fixed_batch_graph(exported):
+    name, _, _, model_path = exported
+    predictor = Predictor(model_path, threads=1)
+    rng = np.random.default_rng(9)
+    pictures = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in PICTURES]
+    one_by_one = [predictor.predict(p) for p in pictures]
+    batched = predictor.predict_batch(pictures)
+    assert [p.to_dict() for p in batched] == [p.to_dict() for p in one_by_one]
+    with pytest.raises(ValueError, match="at most 1 picture"):
+        predictor.run([predictor.prepare(p) for p in pictures])
+
+
+def test_unsupported_zoo_model_is_refused_in_one_line(tmp_path):
+    """A semantic segmentor fits no family: the CLI says so in one line and writes nothing."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "export.py"), "--config", "rcnn",
+         "model.d2_config=Misc/semantic_R_50_FPN_1x.yaml", "model.family=auto", f"export.output_dir={tmp_path}",
+         "model.opts=[MODEL.RESNETS.DEPTH,18,MODEL.RESNETS.RES2_OUT_CHANNELS,64]"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "no model family fits SemanticSegmentor" in last and "rcnn:" in last and "retinanet:" in last
+    assert not list(tmp_path.iterdir())
+
+
+def test_zoo_name_that_does_not_exist_is_refused_in_one_line(tmp_path):
+    with pytest.raises(Exception, match="nor 'COCO-Detection/nope.yaml' in detectron2's model zoo"):
+        pipeline.prepare(zoo_config("COCO-Detection/nope.yaml", tmp_path))
