@@ -27,6 +27,7 @@ class Instance:
     boundary: list[list[float]] | None = None  # a closed outline around a centre line
     keypoints: list[list[float]] | None = None  # [[x, y, score], …]
     mask: dict[str, Any] | None = None  # {"size": [h, w], "counts": …}: COCO run-length encoding
+    stuff: bool | None = None  # True: a panoptic "stuff" region (mask and label only; its score is 1)
 
 
 TextInstance = Instance  # the name the first release used

@@ -28,7 +28,10 @@ SMALL = ["MODEL.RESNETS.DEPTH", "18", "MODEL.RESNETS.RES2_OUT_CHANNELS", "64", "
          "MODEL.ROI_KEYPOINT_HEAD.CONV_DIMS", "(32, 32)", "MODEL.SEM_SEG_HEAD.CONVS_DIM", "32",
          "MODEL.RETINANET.NUM_CONVS", "1", "INPUT.MIN_SIZE_TEST", "160", "INPUT.MAX_SIZE_TEST", "256",
          # random weights score ~1/81 per class: a low threshold gives both sides detections to compare
-         "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.005", "MODEL.RETINANET.SCORE_THRESH_TEST", "0.004"]
+         "MODEL.ROI_HEADS.SCORE_THRESH_TEST", "0.005", "MODEL.RETINANET.SCORE_THRESH_TEST", "0.004",
+         # small pictures: stuff regions and (random) things take part in the panoptic combination
+         "MODEL.PANOPTIC_FPN.COMBINE.STUFF_AREA_LIMIT", "256",
+         "MODEL.PANOPTIC_FPN.COMBINE.INSTANCES_CONFIDENCE_THRESH", "0.01"]
 MODELS = {  # zoo name → (family, outputs, classes)
     "COCO-Detection/retinanet_R_50_FPN_1x.yaml": ("retinanet", ["boxes", "scores", "labels"], 80),
     "COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml": ("rcnn", ["boxes", "scores", "labels", "masks"], 80),
@@ -47,10 +50,24 @@ def zoo_config(name: str, out: Path, *more: str):
                          "export.lint=false", *more])
 
 
+def tame_weights(name: str, path: Path) -> Path:
+    """The seeded random model with its box regressors (and RetinaNet's classifier) scaled down, saved as a
+    checkpoint: fully random deltas throw boxes out of the picture, and a random RetinaNet scores everything 1.0."""
+    from d2export import building
+
+    cfg = zoo_config(name, path)
+    model = building.build_model(cfg.model, building.load_d2_config(cfg.model, REPO), REPO)
+    tame = {k: v * 0.01 if "bbox_pred" in k or k.startswith("head.cls_score.weight") else v
+            for k, v in model.state_dict().items()}
+    torch.save({"model": tame}, path / "tame.pth")
+    return path / "tame.pth"
+
+
 @pytest.fixture(scope="module", params=list(MODELS), ids=lambda n: Path(n).stem)
 def exported(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("zoo")
-    cfg = zoo_config(request.param, out)
+    weights = tame_weights(request.param, tmp_path_factory.mktemp("weights"))
+    cfg = zoo_config(request.param, out, f"model.weights={weights}")
     manifest = pipeline.export(cfg)
     return request.param, cfg, manifest, out / manifest.model_file
 
@@ -72,13 +89,14 @@ def test_zoo_model_exports_and_verifies_at_a_size_and_its_transpose(exported):
 
 
 def _default_predictor(cfg):
-    """detectron2's DefaultPredictor on the same config and seeded weights (independent of d2export's graph)."""
+    """detectron2's DefaultPredictor on the same config and weights (independent of d2export's graph)."""
     from detectron2.engine import DefaultPredictor
 
     from d2export import building
 
     d2cfg = building.load_d2_config(cfg.model, REPO).clone()
-    torch.manual_seed(cfg.model.seed)
+    d2cfg.defrost()
+    d2cfg.MODEL.WEIGHTS = cfg.model.weights
     return DefaultPredictor(d2cfg)
 
 
@@ -91,25 +109,34 @@ def test_predictor_matches_detectron2_default_predictor(exported):
     for h, w in PICTURES:
         bgr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         bgr[h // 4 : h // 2, w // 3 : w // 2] = rng.integers(0, 60)  # a dark patch: some structure to detect
-        got = predictor.predict(bgr, format="BGR")
+        prediction = predictor.predict(bgr, format="BGR")
         with torch.no_grad():
             out = reference(bgr)
         want = out["instances"]
-        assert (got.height, got.width) == (h, w)
-        assert len(got.instances) == len(want) > 0, (name, h, w)
-        boxes = np.array([i.box for i in got.instances])
+        assert (prediction.height, prediction.width) == (h, w)
+        got = [i for i in prediction.instances if not i.stuff]
+        assert len(got) == len(want) > 0, (name, h, w)
+        boxes = np.array([i.box for i in got])
         np.testing.assert_allclose(boxes, want.pred_boxes.tensor.numpy(), atol=0.02)
-        np.testing.assert_allclose([i.score for i in got.instances], want.scores.numpy(), atol=1e-4)
-        assert [i.label for i in got.instances] == want.pred_classes.tolist()
+        np.testing.assert_allclose([i.score for i in got], want.scores.numpy(), atol=1e-4)
+        assert [i.label for i in got] == want.pred_classes.tolist()
         names = manifest.postprocess["class_names"]
-        assert [i.class_name for i in got.instances] == [names[c] for c in want.pred_classes.tolist()]
+        assert [i.class_name for i in got] == [names[c] for c in want.pred_classes.tolist()]
+        if "panoptic_seg" in out:  # the stuff regions of detectron2's panoptic combination
+            segments, info = out["panoptic_seg"]
+            stuff = [i for i in prediction.instances if i.stuff]
+            want_stuff = [s for s in info if not s["isthing"]]
+            assert [i.label for i in stuff] == [s["category_id"] for s in want_stuff] and stuff
+            for inst, s in zip(stuff, want_stuff):
+                assert (decode_mask(inst.mask) != (segments == s["id"]).numpy()).mean() < 1e-3
+                assert inst.class_name == manifest.postprocess["stuff_classes"][s["category_id"]]
         if want.has("pred_masks"):
-            masks = np.stack([decode_mask(i.mask) for i in got.instances])
+            masks = np.stack([decode_mask(i.mask) for i in got])
             assert masks.shape == tuple(want.pred_masks.shape)
             assert (masks != want.pred_masks.numpy()).mean() < 1e-3  # ≥ 0.5 may flip on a boundary pixel
             assert masks.any()
         if want.has("pred_keypoints"):
-            kp = np.array([i.keypoints for i in got.instances])
+            kp = np.array([i.keypoints for i in got])
             ref = want.pred_keypoints.numpy()
             assert kp.shape == ref.shape and (kp[..., 0] < w + 1).all()
             close = np.abs(kp - ref).max(-1) < 0.05
@@ -146,3 +173,71 @@ def test_unsupported_zoo_model_is_refused_in_one_line(tmp_path):
 def test_zoo_name_that_does_not_exist_is_refused_in_one_line(tmp_path):
     with pytest.raises(Exception, match="nor 'COCO-Detection/nope.yaml' in detectron2's model zoo"):
         pipeline.prepare(zoo_config("COCO-Detection/nope.yaml", tmp_path))
+
+
+# ------------------------------------------------ serving-side pieces against detectron2's / torch's own (float64)
+def test_paste_mask_matches_detectron2_paste_masks_in_image():
+    from detectron2.layers.mask_ops import paste_masks_in_image
+
+    from d2export.families._detections import paste_mask
+
+    rng = np.random.default_rng(3)
+    h, w = 37, 53
+    masks = rng.random((6, 28, 28))
+    xy = rng.uniform(-10, 30, (6, 2))
+    boxes = np.concatenate([xy, xy + rng.uniform(12, 40, (6, 2))], 1)  # some past the picture's edges
+    boxes[:, 0::2] = boxes[:, 0::2].clip(0, w)  # detector_postprocess clips before pasting
+    boxes[:, 1::2] = boxes[:, 1::2].clip(0, h)
+    want = paste_masks_in_image(torch.from_numpy(masks), torch.from_numpy(boxes), (h, w), threshold=-1)
+    got = np.stack([paste_mask(m, b, h, w) for m, b in zip(masks, boxes)])
+    np.testing.assert_allclose(got, want.numpy() / 255.0, atol=1 / 255 + 1e-6)  # detectron2 quantises to uint8
+    want_bool = paste_masks_in_image(torch.from_numpy(masks), torch.from_numpy(boxes), (h, w), threshold=0.5)
+    assert ((got >= 0.5) != want_bool.numpy()).mean() < 1e-3 and want_bool.any()
+
+
+@pytest.mark.parametrize("with_pycocotools", [True, False])
+def test_mask_rle_round_trips_and_is_coco_rle(with_pycocotools, monkeypatch):
+    from pycocotools import mask as coco_mask
+
+    from d2export.instances import encode_mask
+
+    rng = np.random.default_rng(4)
+    masks = [rng.random((23, 31)) > 0.6, np.zeros((5, 7), bool), np.ones((4, 9), bool)]
+    masks[0][0, 0] = True
+    for mask in masks:
+        with monkeypatch.context() as m:
+            if not with_pycocotools:
+                m.setitem(sys.modules, "pycocotools", None)  # the fallback: uncompressed counts
+            rle = encode_mask(mask)
+            np.testing.assert_array_equal(decode_mask(rle), mask)
+        assert isinstance(rle["counts"], str) == with_pycocotools and rle["size"] == list(mask.shape)
+        coco = ({"size": rle["size"], "counts": rle["counts"].encode()} if with_pycocotools
+                else coco_mask.frPyObjects(rle, *rle["size"]))  # COCO's own tools read either form
+        np.testing.assert_array_equal(coco_mask.decode(coco).astype(bool), mask)
+
+
+@pytest.mark.parametrize("size, out", [(7, 19), (19, 7), (10, 10), (13, 31)])
+def test_semantic_resize_matches_torch_bilinear(size, out):
+    from torch.nn import functional as F
+
+    from d2export.families.panoptic_fpn import _resize_weights
+
+    x = torch.randn(3, size, size + 2, dtype=torch.float64)
+    want = F.interpolate(x[None], size=(out, out + 5), mode="bilinear", align_corners=False)[0]
+    got = _resize_weights(size, out).astype(np.float64) @ x.numpy() @ _resize_weights(size + 2, out + 5).T
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-6)
+
+
+def test_vis_overlays_masks_and_draws_keypoints():
+    from d2export.instances import Instance, Prediction, encode_mask
+    from d2export.runtime.visualize import draw_prediction
+
+    image = np.full((40, 60, 3), 200, np.uint8)
+    mask = np.zeros((40, 60), bool)
+    mask[10:20, 30:50] = True
+    prediction = Prediction(40, 60, [Instance(0.9, 0, "person", box=[28.0, 8.0, 52.0, 22.0], mask=encode_mask(mask),
+                                              keypoints=[[5.0, 30.0, 0.8]])])
+    drawn = np.asarray(draw_prediction(image, prediction, show_scores=False))
+    assert (drawn[14, 40] != 200).any()  # inside the mask: tinted
+    assert (drawn[35, 15] == 200).all()  # far from everything: untouched
+    assert (drawn[30, 5] != 200).any()  # the keypoint

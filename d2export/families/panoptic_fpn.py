@@ -4,13 +4,18 @@ Recognised by a GeneralizedRCNN-style `inference(..., do_postprocess=)` beside a
 do_postprocess=False that inference returns (detections, semantic logits) per image, which the rcnn family cannot
 flatten. Graph: the rcnn family's outputs (d2export/tracing/rcnn.py) plus `sem_seg` [1, C, H, W], the semantic
 logits cropped to the input image (C = stuff classes + 1 "things" class, 0). Serving: the detections as the rcnn
-family's; detectron2's panoptic combination is left to the caller (its parameters are in the manifest).
+family's, then the "stuff" regions as detectron2's combine_semantic_and_instance_outputs finds them (semantic logits
+resized bilinearly to the picture, argmax, minus the confident things' masks, small regions dropped), as Instances
+with `stuff=True`.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from d2export.families import AdapterOptions, Family
 from d2export.families._detections import dataset_metadata, detection_instances, detection_postprocess
 from d2export.families.rcnn import has_rcnn_inference
+from d2export.instances import Instance, decode_mask, encode_mask
 
 
 def inference(model, inputs: list) -> dict:
@@ -47,7 +52,43 @@ class PanopticFPN(Family):
                         "instances_score_threshold": float(combine.INSTANCES_CONFIDENCE_THRESH)}}
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
-        return detection_instances(outputs, index, input_hw, original_hw, post, threshold)
+        things = detection_instances(outputs, index, input_hw, original_hw, post, threshold)
+        return things + stuff_regions(outputs["sem_seg"][index], things, original_hw, post)
+
+
+def stuff_regions(logits: np.ndarray, things: list[Instance], original_hw: tuple[int, int],
+                  post: dict) -> list[Instance]:
+    """detectron2's combine_semantic_and_instance_outputs, the stuff half: what the semantic argmax labels outside
+    the confident things' masks, per class, where large enough."""
+    combine, names = post["combine"], post.get("stuff_classes") or []
+    rows = np.matmul(_resize_weights(logits.shape[1], original_hw[0]), logits.astype(np.float32))  # [C, H', W]
+    semantic = np.matmul(rows, _resize_weights(logits.shape[2], original_hw[1]).T).argmax(0)  # [H', W']
+    taken = np.zeros(original_hw, bool)
+    for inst in sorted(things, key=lambda i: -i.score):
+        if inst.score < combine["instances_score_threshold"]:
+            break
+        mask = decode_mask(inst.mask)
+        if mask.any() and (mask & taken).sum() / mask.sum() <= combine["overlap_threshold"]:
+            taken |= mask
+    regions = []
+    for label in np.unique(semantic):
+        mask = (semantic == label) & ~taken
+        if label == 0 or mask.sum() < combine["stuff_area_threshold"]:  # 0: the "things" class
+            continue
+        regions.append(Instance(score=1.0, label=int(label), class_name=names[label] if label < len(names) else None,
+                                mask=encode_mask(mask), stuff=True))
+    return regions
+
+
+def _resize_weights(size: int, out: int) -> np.ndarray:
+    """[out, size] weights of F.interpolate(mode="bilinear", align_corners=False) along one axis."""
+    src = np.maximum((np.arange(out) + 0.5) * size / out - 0.5, 0.0)
+    lo = np.floor(src).astype(np.int64)
+    hi = np.minimum(lo + 1, size - 1)
+    weights = np.zeros((out, size), np.float32)
+    np.add.at(weights, (np.arange(out), lo), 1 - (src - lo))
+    np.add.at(weights, (np.arange(out), hi), src - lo)
+    return weights
 
 
 FAMILY = PanopticFPN()
