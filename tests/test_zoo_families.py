@@ -51,14 +51,15 @@ def zoo_config(name: str, out: Path, *more: str):
 
 
 def tame_weights(name: str, path: Path) -> Path:
-    """The seeded random model with its box regressors (and RetinaNet's classifier) scaled down, saved as a
-    checkpoint: fully random deltas throw boxes out of the picture, and a random RetinaNet scores everything 1.0."""
+    """The seeded random model with its box regressors, RetinaNet's classifier and the keypoint predictor scaled down,
+    saved as a checkpoint: fully random deltas throw boxes out of the picture, a random RetinaNet scores everything
+    1.0, and random keypoint logits in the thousands make exp-normalised keypoint scores ill-conditioned."""
     from d2export import building
 
     cfg = zoo_config(name, path)
     model = building.build_model(cfg.model, building.load_d2_config(cfg.model, REPO), REPO)
-    tame = {k: v * 0.01 if "bbox_pred" in k or k.startswith("head.cls_score.weight") else v
-            for k, v in model.state_dict().items()}
+    scaled = ("bbox_pred", "head.cls_score.weight", "keypoint_head.score_lowres")
+    tame = {k: v * 0.01 if any(s in k for s in scaled) else v for k, v in model.state_dict().items()}
     torch.save({"model": tame}, path / "tame.pth")
     return path / "tame.pth"
 
@@ -139,8 +140,9 @@ def test_predictor_matches_detectron2_default_predictor(exported):
             kp = np.array([i.keypoints for i in got])
             ref = want.pred_keypoints.numpy()
             assert kp.shape == ref.shape and (kp[..., 0] < w + 1).all()
-            close = np.abs(kp - ref).max(-1) < 0.05
-            assert close.mean() > 0.98  # a heatmap argmax may move on a near-tie
+            moved = np.abs(kp[..., :2] - ref[..., :2]).max(-1)
+            assert (moved < 0.05).mean() > 0.9 and moved.max() < 1.5  # an argmax may move a pixel on a near-tie
+            np.testing.assert_allclose(kp[..., 2][moved < 0.05], ref[..., 2][moved < 0.05], rtol=1e-3)
         compared += len(want)
     assert compared > 0
 

@@ -7,7 +7,7 @@ d2export/families/_detections.py).
 """
 from __future__ import annotations
 
-from d2export.families import AdapterOptions, Family, lacks
+from d2export.families import AdapterOptions, Family
 from d2export.families._detections import detection_instances, detection_postprocess
 
 NEEDS = ("preprocess_image", "backbone", "head", "head_in_features", "forward_inference")
@@ -29,7 +29,8 @@ class RetinaNet(Family):
     priority = 80
 
     def missing(self, model):
-        return lacks(model, NEEDS, also_self=True)
+        lacking = [a for a in NEEDS if not hasattr(model, a)]
+        return f"needs DenseDetector's {', '.join(lacking)}" if lacking else None
 
     def adapter(self, model, cfg, options: AdapterOptions):
         from d2export.tracing.rcnn import RCNNAdapter, zero_score_thresholds
