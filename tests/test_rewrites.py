@@ -409,6 +409,8 @@ SIZE_GENERAL = {
                          [[1, 2], [2, 3]])],
     "shape-gather": [(Target(17, "tensorrt"), _gather_shape, _image(), [[0, 2, 3]])],
     "keypoints-from-heatmaps": [(Target(17), _keypoints_from_heatmaps, _heatmaps_and_rois, [[0], [0]])],
+    "split-whole": [(Target(17), lambda x: x.split([len(x)])[0] * 2, lambda h, w: [randn(h, w)], [[0, 1]]),
+                    (Target(17), lambda x: torch.split(x, [x.shape[2]], dim=2)[0] + 1, _image(), [[0, 2, 3]])],
 }
 SIZE_GENERAL_CASES = [(name, *case) for name, cases in SIZE_GENERAL.items() for case in cases]
 

@@ -1,4 +1,5 @@
-"""Registered export-time patches for detectron2's own model zoo (families rcnn, retinanet, panoptic_fpn)."""
+"""Registered export-time patches for detectron2's own model zoo (families rcnn, retinanet, panoptic_fpn): the graph takes
+one image per run, and these keep what detectron2 does per image size-general."""
 from __future__ import annotations
 
 from d2export.ops import keypoints
@@ -7,3 +8,13 @@ from d2export.patching.registry import register_patch
 register_patch("keypoints-from-heatmaps", function="detectron2.modeling.roi_heads.keypoint_head.heatmaps_to_keypoints",
                why="detectron2's scripted ROI loop indexes a tensor of unknown rank: aten::index fails to export",
                )(keypoints.heatmaps_to_keypoints)
+
+
+@register_patch("split-whole", function=("torch.Tensor.split", "torch.split"),
+                why="x.split([len(x)]) (detectron2's per-image split of one image's boxes, scores, masks) bakes the "
+                    "traced count into the graph: the next picture's count fails in onnxruntime's Split")
+def split_whole(tensor, split_size_or_sections, dim=0):
+    sections = split_size_or_sections
+    if isinstance(sections, (list, tuple)) and len(sections) == 1 and sections[0] == tensor.shape[dim]:
+        return (tensor,)  # one section holding everything: the tensor itself, whatever its traced size
+    return NotImplemented
