@@ -57,7 +57,7 @@ def tame_weights(name: str, path: Path) -> Path:
     from d2export import building
 
     cfg = zoo_config(name, path)
-    model = building.build_model(cfg.model, building.load_d2_config(cfg.model, REPO), REPO)
+    model, _ = building.build_model(cfg.model, building.load_d2_config(cfg.model, REPO), REPO)
     scaled = ("bbox_pred", "head.cls_score.weight", "keypoint_head.score_lowres")
     tame = {k: v * 0.01 if any(s in k for s in scaled) else v for k, v in model.state_dict().items()}
     torch.save({"model": tame}, path / "tame.pth")
