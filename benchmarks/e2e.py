@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from d2export.cli import parser
+
 ROOT = Path(__file__).resolve().parent.parent
 EAGER = "eager PyTorch (per-level grid_sample)"
 
@@ -248,7 +250,7 @@ def plot(rows: dict, path: Path, title: str) -> None:
 
 # --- main -----------------------------------------------------------------------------------------------------
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = parser("benchmark.py e2e", __doc__.split("\n")[0])
     p.add_argument("--config", default="textdet", help="export config (default textdet: TESTR R-50)")
     p.add_argument("--size", type=int, default=640, help="image size (square) of the interleaved timing")
     p.add_argument("--threads", type=int, default=2, help="torch and onnxruntime intra-op threads")

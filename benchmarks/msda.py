@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from d2export.cli import parser
 from d2export.ops.msda import _gather, multi_scale_deformable_attention
 
 HEADS, DIM, LEVELS, POINTS = 8, 32, 4, 4
@@ -248,11 +249,11 @@ def floor_ms(inputs, rates: dict, threads: int) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[640, 1024])
+    p = parser("benchmark.py msda", __doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[640, 1024], help="square input sizes")
     p.add_argument("--decoder-queries", type=int, nargs="*", default=[1600, 2500], help="decoder query counts (none: encoder only)")
     p.add_argument("--threads", type=int, default=1, help="torch and onnxruntime intra-op threads")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (medians)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     p.add_argument("--peak-of", help=argparse.SUPPRESS)
     p.add_argument("--lq", type=int, default=0, help=argparse.SUPPRESS)

@@ -30,6 +30,8 @@ from typing import Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 
+from d2export.cli import parser
+
 
 def exported(config: str, out: Path) -> Path:
     from d2export import pipeline
@@ -88,18 +90,18 @@ def serve_process(model: Path, args: list[str]) -> Iterator[tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="benchmarks/serve.py", description=__doc__.split("\n")[0])
+    ap = parser("benchmark.py serve", __doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="an exported .onnx; default: export --config into a temp dir")
     ap.add_argument("--config", default="textdet_tiny", help="config to export when no --model is given")
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=200, help="requests per mode")
+    ap.add_argument("--clients", type=int, default=2, help="concurrent clients")
     ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
     ap.add_argument("--size", default="480x640", help="the pictures' original HxW")
-    ap.add_argument("--min-size", type=int, default=None, help="override the manifest's test size")
-    ap.add_argument("--max-size", type=int, default=None)
-    ap.add_argument("--modes", default="direct,http,http+batch")
+    ap.add_argument("--min-size", type=int, default=None, help="shortest edge (default: the manifest's)")
+    ap.add_argument("--max-size", type=int, default=None, help="longest edge cap (default: the manifest's)")
+    ap.add_argument("--modes", default="direct,http,http+batch", help="comma-separated: direct, http, http+batch")
     ap.add_argument("--batch-timeout-ms", type=float, default=5.0, help="http+batch: how long a request waits")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed requests first")
     ap.add_argument("--process", action="store_true", help="run `d2export serve` as its own process; report memory")
     ap.add_argument("--process-modes", default="batch:,no-batch:--max-batch 1",
                     help="--process: name:serve options, comma-separated")

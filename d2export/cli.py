@@ -1,11 +1,14 @@
-"""The `d2export` command. `d2export export --config textdet [key=value …]` is `tools/export.py`.
+"""The `d2export` command: `d2export COMMAND --help` for each command's options.
 
-Configs are Hydra's: `--config` takes a bare name (looked up in ./configs, then in the repository's configs/) or a
-path to a YAML; everything after it is Hydra's override grammar, and `--multirun` sweeps (ending in one table).
+`d2export export --config textdet [key=value …]` is `tools/export.py`. Configs are Hydra's: `--config` takes a bare
+name (looked up in ./configs, then in the repository's configs/) or a path to a YAML; everything after it is Hydra's
+override grammar, and `--multirun` sweeps (ending in one table).
 """
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -13,17 +16,44 @@ from typing import Any
 
 log = logging.getLogger("d2export")
 
+# name → ("module:function", one line): the functions take argv and return an exit status
+COMMANDS = {
+    "export": ("d2export.cli:export_main", "export a detectron2 model to ONNX, verified against PyTorch"),
+    "infer": ("d2export.runtime:infer_main", "run an exported model over pictures: JSON lines, pictures with --vis"),
+    "serve": ("d2export.runtime:serve_main", "serve an exported model over HTTP (POST /predict, /healthz, /metadata)"),
+    "triton-repo": ("d2export.runtime:triton_main", "write a Triton Inference Server model repository for a model"),
+    "batch": ("d2export.runtime:batch_main", "run an exported model over a picture corpus with Ray Data (resumable)"),
+    "diagnose": ("d2export.diagnose:diagnose_main", "name the first module where ONNX and PyTorch part ways"),
+}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Descriptions and epilogs as written; every option that takes a value shows its default (unless its help
+    already says what the default is)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+def parser(prog: str, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser in d2export's style (defaults shown, text kept as written)."""
+    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
+
 
 def one_line(e: BaseException) -> str:
     return f"d2export: error: {e}".replace("\n", "\n  ") if str(e) else f"d2export: error: {type(e).__name__}"
 
 
 def run_export(cfg: Any) -> dict:
-    """One Hydra job: returns a summary row for sweeps."""
-    from d2export import pipeline
+    """One Hydra job: returns a summary row for sweeps. The config is checked whole before anything is built."""
     from d2export.config import resolve
 
     typed = resolve(cfg)
+    from d2export import pipeline
+
     manifest = pipeline.export(typed)
     v = manifest.verification
     return {"exporter": typed.export.exporter, "opset": typed.export.opset, "sampler": typed.export.sampler,
@@ -31,12 +61,48 @@ def run_export(cfg: Any) -> dict:
             "model": str(Path(typed.export.output_dir) / manifest.model_file)}
 
 
+MOST_USED = ("model.weights", "model.d2_config", "export.opset", "export.sampler", "export.exporter",
+             "export.target", "export.fp16", "export.dummy_sizes", "verify.sizes", "verify.atol")
+
+EXAMPLES = """examples:
+  d2export export --config textdet model.weights=/path/testr_totaltext.pth
+  d2export export --config textdet_tiny export.fp16=true export.opset=16 export.sampler=grid_sample
+  d2export export --config textdet --multirun export.sampler=gather,grid_sample export.opset=16,17
+  d2export export --config textdet --cfg job          # print the composed config and exit (Hydra's --cfg)
+"""
+
+
+def export_epilog() -> str:
+    from d2export.config import groups, schema_rows
+
+    rows = {k: (d, m) for k, _, d, m in schema_rows()}
+    width = max(map(len, MOST_USED)) + 2
+    lines = ["config groups (override any key as group.key=value; every key: docs/config.md):"]
+    lines += [f"  {g:<{width}}{m}" for g, m in groups()]
+    lines += ["", "most used keys (default → meaning):"]
+    lines += [f"  {k:<{width}}{rows[k][0]} → {rows[k][1]}" for k in MOST_USED]
+    return "\n".join(lines) + "\n\n" + EXAMPLES
+
+
+# Hydra's own flags, passed through as Hydra takes them (no `--` needed)
+HYDRA_FLAGS = {
+    "--cfg": dict(choices=["job", "hydra", "all"], help="Hydra: print the composed config (job, hydra or all) and exit (default: export)"),
+    "--resolve": dict(action="store_true", help="Hydra: with --cfg, resolve interpolations first"),
+    "--package": dict(metavar="PKG", help="Hydra: with --cfg, print only this package, e.g. export (default: all)"),
+    "--info": dict(nargs="?", const="all", metavar="TOPIC",
+                   help="Hydra: print information (all, config, defaults, defaults-tree, plugins, searchpath) and exit (default: export)"),
+}
+
+
 def export_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="d2export export", description="Export a detectron2 model to verified ONNX.")
-    ap.add_argument("--config", default="textdet", help="config name in configs/ or a YAML path (default textdet)")
+    ap = parser("d2export export", "Export a detectron2 model to ONNX, verified against eager PyTorch at several sizes. "
+                "Nothing is written at the destination unless every step passed.", export_epilog())
+    ap.add_argument("--config", default="textdet", help="config name in configs/ or a YAML path")
     ap.add_argument("-m", "--multirun", action="store_true", help="sweep over comma-separated override values")
     ap.add_argument("--traceback", action="store_true", help="show full tracebacks on errors")
+    for flag, kwargs in HYDRA_FLAGS.items():
+        ap.add_argument(flag, **kwargs)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. export.opset=16 export.sampler=grid_sample")
     args = ap.parse_args(argv)
     from d2export.config import find_config, register_configs
@@ -65,6 +131,12 @@ def export_main(argv: list[str] | None = None) -> int:
             return None
 
     hydra_argv = [sys.argv[0], *args.overrides] + (["--multirun"] if args.multirun else [])
+    for flag in HYDRA_FLAGS:
+        value = getattr(args, flag[2:])
+        if value is True:
+            hydra_argv.append(flag)
+        elif value not in (None, False):
+            hydra_argv += [flag, value]
     saved, sys.argv = sys.argv, hydra_argv
     try:
         job()
@@ -73,17 +145,36 @@ def export_main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
+def top_help() -> str:
+    from d2export import __version__
+
+    width = max(map(len, COMMANDS)) + 2
+    lines = [f"usage: d2export [-h] [--version] COMMAND [ARGS …]", "",
+             f"d2export {__version__}: detectron2 detectors to verified ONNX, and serving them.", "", "commands:"]
+    lines += [f"  {name:<{width}}{what}" for name, (_, what) in COMMANDS.items()]
+    lines += ["", "options:", "  -h, --help   show this help and exit", "  --version    show the version and exit", "",
+              "Run `d2export COMMAND --help` for a command's options; docs/config.md lists every export key."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from d2export import runtime
-    from d2export.diagnose import diagnose_main
+    if not argv or argv[0] in ("-h", "--help"):
+        print(top_help(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from d2export import __version__
 
-    commands = {"export": export_main, "infer": runtime.infer_main, "serve": runtime.serve_main,
-                "triton-repo": runtime.triton_main, "batch": runtime.batch_main, "diagnose": diagnose_main}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: d2export {" + ",".join(commands) + "} …", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return commands[argv[0]](argv[1:])
+        print(f"d2export {__version__}")
+        return 0
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"d2export: error: unknown command '{argv[0]}'{hint} (commands: {', '.join(COMMANDS)}; "
+              "d2export --help)", file=sys.stderr)
+        return 2
+    module, func = COMMANDS[argv[0]][0].split(":")
+    return getattr(importlib.import_module(module), func)(argv[1:])
 
 
 if __name__ == "__main__":

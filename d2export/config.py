@@ -5,78 +5,125 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
 
+from omegaconf import MISSING
+
 from d2export import DEFAULT_COMPILED_OPS
+from d2export.ops import SAMPLERS
+
+EXPORTERS = ("torchscript", "dynamo")
+TARGETS = ("onnxruntime", "tensorrt")
+OPSETS = {"onnxruntime": (11, 21), "tensorrt": (16, 19)}  # TensorRT mishandles GridSample 'linear' at >= 20
+
+
+def opt(default: Any = MISSING, help: str = "", *, factory: Any = None) -> Any:
+    """A schema field with its one-line meaning (`help`): docs/config.md and `d2export export --help` read it."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class ModelConfig:
-    # directories put on sys.path before importing (relative paths are taken from the repository/config root)
-    sys_path: List[str] = field(default_factory=list)
-    # modules imported so their detectron2 registries fill, e.g. ["adet.modeling"] or ["testr"]
-    imports: List[str] = field(default_factory=list)
-    # "module:function" returning a detectron2 CfgNode with the project's keys added
-    cfg_factory: str = "detectron2.config:get_cfg"
-    d2_config: Optional[str] = None  # the project's detectron2 YAML (yacs) …
-    opts: List[str] = field(default_factory=list)  # detectron2 overrides: ["KEY", "VALUE", …]
-    # … or a LazyConfig python file (detrex's `model = L(DeformableDETR)(...)`) and its "key=value" overrides
-    lazy_config: Optional[str] = None
-    lazy_overrides: List[str] = field(default_factory=list)
-    weights: Optional[str] = None  # None: seeded random weights (said loudly)
-    # every parameter and buffer must come from `weights`, each with the model's shape; false: export anyway, the
-    # missing/unexpected/mismatched names listed in the manifest
-    strict_weights: bool = True
-    seed: int = 0
-    # the model family (d2export/families: testr, rcnn, …); "auto" tries each in turn on the built model
-    family: str = "auto"
+    sys_path: List[str] = opt(factory=list, help="folders put on sys.path before importing (relative to the "
+                              "working directory)")
+    imports: List[str] = opt(factory=list, help="modules imported so their detectron2 registries fill, e.g. "
+                             "[adet.modeling]")
+    cfg_factory: str = opt("detectron2.config:get_cfg", "'module:function' returning a detectron2 CfgNode with the "
+                           "project's keys added")
+    d2_config: Optional[str] = opt(None, "the project's detectron2 YAML (yacs); this or model.lazy_config")
+    opts: List[str] = opt(factory=list, help="detectron2 overrides: [KEY, VALUE, …]")
+    lazy_config: Optional[str] = opt(None, "a LazyConfig .py (detrex's `model = L(DeformableDETR)(...)`) instead of "
+                                     "model.d2_config")
+    lazy_overrides: List[str] = opt(factory=list, help="LazyConfig overrides: [\"key=value\", …]")
+    weights: Optional[str] = opt(None, "checkpoint (.pth/.pkl); null exports seeded random weights (said loudly)")
+    strict_weights: bool = opt(True, "every parameter and buffer must come from model.weights with the model's shape; "
+                               "false: export anyway, the missing/unexpected/mismatched names in the manifest")
+    seed: int = opt(0, "seed for random weights and dummy inputs")
+    family: str = opt("auto", "model family reading the outputs (d2export/families); auto tries each in turn")
 
 
 @dataclass
 class PluginConfig:
-    # compiled MSDA extensions to stand in for when missing or CPU-less
-    compiled_ops: List[str] = field(default_factory=lambda: list(DEFAULT_COMPILED_OPS))
-    swap_msda: bool = True
+    compiled_ops: List[str] = opt(factory=lambda: list(DEFAULT_COMPILED_OPS),
+                                  help="compiled MSDA extension modules to stand in for when missing or CPU-less")
+    swap_msda: bool = opt(True, "point every MSDA module at d2export's traceable core")
 
 
 @dataclass
 class ExportConfig:
-    output_dir: str = "outputs/${name}"
-    filename: str = "model.onnx"
-    exporter: str = "torchscript"  # or "dynamo" (torch.export-based)
-    target: str = "onnxruntime"  # or "tensorrt"
-    opset: Optional[int] = None  # None: 17 for onnxruntime, 17 for tensorrt (16–19 allowed)
-    # MSDA sampler in the graph: gather (portable, the default) | grid_sample | pytorch | trt_plugin (TensorRT's
-    # plugin node) | fused (d2export's CPU operator for onnxruntime: fastest, needs the `fused` extra where it runs)
-    sampler: str = "gather"
-    dynamic: bool = True  # dynamic batch, height and width
-    simplify: bool = False  # onnxslim after export
-    dummy_sizes: List[List[int]] = field(default_factory=lambda: [[320, 320]])  # one image per entry: a batch
-    text_logits: bool = False  # also output the raw recognition logits [N, K, 25, voc+1]
-    lint: bool = True  # trace at a second size and flag constants that follow the dummy's size
+    output_dir: str = opt("outputs/${name}", "where model.onnx and its manifest are written")
+    filename: str = opt("model.onnx", "the graph's file name (the manifest is <stem>.manifest.json)")
+    exporter: str = opt("torchscript", "torchscript | dynamo (torch.export-based)")
+    target: str = opt("onnxruntime", "onnxruntime | tensorrt: the runtime the graph is shaped for (patches, opsets)")
+    opset: Optional[int] = opt(None, "ONNX opset; null: 17 (onnxruntime 11–21, tensorrt 16–19)")
+    sampler: str = opt("gather", "MSDA sampler in the graph: gather (portable, the default) | grid_sample (GridSample "
+                       "nodes, opset >= 16) | pytorch | trt_plugin (TensorRT's plugin node) | fused (d2export's CPU "
+                       "operator for onnxruntime: fastest, needs the `fused` extra where it runs) | auto (gather when "
+                       "exporting)")
+    dynamic: bool = opt(True, "dynamic batch, height and width; false bakes the dummy's shape")
+    simplify: bool = opt(False, "run onnxslim over the graph after export")
+    dummy_sizes: List[List[int]] = opt(factory=lambda: [[320, 320]], help="[height, width] per dummy image traced "
+                                       "(several: a batch)")
+    text_logits: bool = opt(False, "text spotters: also output the raw recognition logits [N, K, 25, voc+1]")
+    lint: bool = opt(True, "trace at a second size and flag constants that follow the dummy's size")
+    fp16: bool = opt(False, "write a float16 graph (MSDA sampling, Softmax, Range … stay float32); verified with "
+                     "verify.fp16_atol and top-K agreement")
+    keep_io_types: bool = opt(True, "with fp16: the graph's float inputs and outputs stay float32")
+    max_pixels: int = opt(4096 * 4096, "largest height×width any size in this config may have")
 
 
 @dataclass
 class VerifyConfig:
-    enabled: bool = True
-    # image sizes checked one by one; empty: the dummy size, its transpose and two others
-    sizes: List[List[int]] = field(default_factory=list)
-    batch: bool = True  # also a batch of two images of different sizes
-    atol: float = 1e-3
-    rtol: float = 1e-3
-    max_mismatch: float = 1e-3  # fraction of integer (argmax) outputs allowed to flip on near-ties
-    providers: List[str] = field(default_factory=lambda: ["CPUExecutionProvider"])
-    # the parity ladder: compare every module's output, eager vs onnxruntime, and name the first that diverges
-    # (runs on a failed verification, before the error; with true, always)
-    ladder: bool = False
+    enabled: bool = opt(True, "compare onnxruntime with eager PyTorch before writing anything")
+    sizes: List[List[int]] = opt(factory=list, help="[height, width] checked one by one; empty: the dummy size, its "
+                                 "transpose, a non-square pair and an odd size")
+    batch: bool = opt(True, "also a batch of two images of different sizes")
+    atol: float = opt(1e-3, "absolute tolerance (float32 graph)")
+    rtol: float = opt(1e-3, "relative tolerance (float32 graph)")
+    max_mismatch: float = opt(1e-3, "fraction of integer (argmax) outputs allowed to flip on near-ties")
+    fp16_atol: float = opt(5e-2, "absolute tolerance for a float16 graph (export.fp16)")
+    fp16_rtol: float = opt(5e-2, "relative tolerance for a float16 graph")
+    fp16_max_mismatch: float = opt(0.05, "float16: fraction of elements allowed outside the tolerance")
+    top_k: int = opt(5, "float16: the top-K scoring detections must be the same ones")
+    min_top_k_agreement: float = opt(0.8, "float16: least fraction of the eager top-K found in the graph's top-K")
+    providers: List[str] = opt(factory=lambda: ["CPUExecutionProvider"], help="onnxruntime providers for "
+                               "verification")
+    ladder: bool = opt(False, "run the parity ladder (docs/ladder.md) always, not only when verification fails")
 
 
 @dataclass
 class D2ExportConfig:
-    name: str = "model"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    plugin: PluginConfig = field(default_factory=PluginConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    verify: VerifyConfig = field(default_factory=VerifyConfig)
-    traceback: bool = False  # full Python tracebacks instead of one-line errors
+    name: str = opt("model", "the job's name (output folders are named after it)")
+    model: ModelConfig = opt(factory=ModelConfig, help="what to build")
+    plugin: PluginConfig = opt(factory=PluginConfig, help="compiled-op stand-ins and the MSDA swap")
+    export: ExportConfig = opt(factory=ExportConfig, help="how the graph is made")
+    verify: VerifyConfig = opt(factory=VerifyConfig, help="how it is checked against PyTorch")
+    traceback: bool = opt(False, "full Python tracebacks instead of one-line errors")
+
+
+def schema_rows(node: type = D2ExportConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, default, meaning) for every leaf key of the schema, in declaration order: the config reference
+    (scripts/config_doc.py → docs/config.md) and `d2export export --help` are made from these."""
+    import dataclasses
+
+    rows = []
+    for f in dataclasses.fields(node):
+        key = prefix + f.name
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            rows += schema_rows(type(default), key + ".")
+            continue
+        shown = "(required)" if default == MISSING else "null" if default is None else str(default).replace("'", "")
+        rows.append((key, str(f.type), shown.lower() if isinstance(default, bool) else shown, f.metadata["help"]))
+    return rows
+
+
+def groups() -> list[tuple[str, str]]:
+    """(group, meaning) of the schema's top-level sections."""
+    import dataclasses
+
+    return [(f.name, f.metadata["help"]) for f in dataclasses.fields(D2ExportConfig)
+            if f.default_factory is not dataclasses.MISSING]
 
 
 def register_configs() -> None:
@@ -85,33 +132,80 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="d2export_schema", node=D2ExportConfig)
 
 
+class ConfigError(ValueError):
+    """A config value that cannot work: said in one line, before anything is built."""
+
+
 def default_opset(target: str) -> int:
     return 17
 
 
 def resolve(cfg: Any) -> D2ExportConfig:
-    """A Hydra/OmegaConf config → the typed dataclass, checking the values a schema cannot."""
+    """A Hydra/OmegaConf config → the typed dataclass, with every value a schema cannot check checked (torch-free,
+    fast: it runs before any model is built)."""
     from omegaconf import OmegaConf
 
     obj: D2ExportConfig = OmegaConf.to_object(cfg) if not isinstance(cfg, D2ExportConfig) else cfg
-    m, e = obj.model, obj.export
+    m, e, v = obj.model, obj.export, obj.verify
     if (m.d2_config is None) == (m.lazy_config is None):
-        raise ValueError("give exactly one of model.d2_config (a yacs YAML) and model.lazy_config (a LazyConfig .py)"
-                         f", got {'both' if m.d2_config else 'neither'}")
-    if e.exporter not in ("torchscript", "dynamo"):
-        raise ValueError(f"export.exporter={e.exporter!r}: choose torchscript or dynamo")
-    if e.target not in ("onnxruntime", "tensorrt"):
-        raise ValueError(f"export.target={e.target!r}: choose onnxruntime or tensorrt")
+        raise ConfigError("give exactly one of model.d2_config (a yacs YAML) and model.lazy_config (a LazyConfig .py)"
+                          f", got {'both' if m.d2_config else 'neither'}")
+    _one_of("export.exporter", e.exporter, EXPORTERS)
+    _one_of("export.target", e.target, TARGETS)
+    _one_of("export.sampler", e.sampler, SAMPLERS)
     if e.opset is None:
         e.opset = default_opset(e.target)
     if e.sampler == "fused" and (e.exporter != "torchscript" or e.target != "onnxruntime"):
-        raise ValueError("export.sampler=fused is an onnxruntime operator exported by the torchscript exporter: "
-                         "use export.target=onnxruntime export.exporter=torchscript (for TensorRT: trt_plugin)")
-    if e.target == "tensorrt" and not 16 <= e.opset <= 19:
-        raise ValueError(f"export.opset={e.opset} for tensorrt: use 16–19 (GridSample 'linear' at ≥20 is mishandled)")
-    if not e.dummy_sizes or any(len(s) != 2 or min(s) <= 0 for s in e.dummy_sizes):
-        raise ValueError(f"export.dummy_sizes={e.dummy_sizes}: give a list of [height, width]")
+        raise ConfigError("export.sampler=fused is an onnxruntime operator exported by the torchscript exporter: "
+                          "use export.target=onnxruntime export.exporter=torchscript (for TensorRT: trt_plugin)")
+    lo, hi = OPSETS[e.target]
+    if not lo <= e.opset <= hi:
+        raise ConfigError(f"export.opset={e.opset}: {e.target} takes {lo}–{hi}")
+    if e.max_pixels <= 0:
+        raise ConfigError(f"export.max_pixels={e.max_pixels}: must be positive")
+    if not e.dummy_sizes:
+        raise ConfigError("export.dummy_sizes is empty: give at least one [height, width]")
+    _sizes("export.dummy_sizes", e.dummy_sizes, e.max_pixels)
+    _sizes("verify.sizes", v.sizes, e.max_pixels)
+    for key in ("atol", "rtol", "max_mismatch", "fp16_atol", "fp16_rtol", "fp16_max_mismatch"):
+        if not getattr(v, key) >= 0:
+            raise ConfigError(f"verify.{key}={getattr(v, key)}: must be 0 or more")
+    if v.top_k < 1 or not 0 <= v.min_top_k_agreement <= 1:
+        raise ConfigError(f"verify.top_k={v.top_k}, verify.min_top_k_agreement={v.min_top_k_agreement}: "
+                          "need top_k >= 1 and an agreement in [0, 1]")
+    if obj.model.family != "auto":
+        from d2export import families  # torch-free: family modules are part of the serving runtime
+
+        _one_of("model.family", obj.model.family, ["auto", *families.names()])
     return obj
+
+
+def check_files(cfg: D2ExportConfig, root: Path) -> None:
+    """The files the config names exist (relative to `root`): said before importing or building anything."""
+    m = cfg.model
+    named = [(f"model.{k}", getattr(m, k)) for k in ("d2_config", "lazy_config", "weights") if getattr(m, k)]
+    named += [(f"model.sys_path[{i}]", p) for i, p in enumerate(m.sys_path)]
+    for key, value in named:
+        if not (root / value).exists():
+            raise ConfigError(f"{key}={value}: no such file or folder (relative paths start at {root})")
+
+
+def _one_of(key: str, value: Any, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        import difflib
+
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(allowed)}{hint}")
+
+
+def _sizes(key: str, sizes: Sequence[Sequence[int]], max_pixels: int) -> None:
+    for s in sizes:
+        if len(s) != 2 or min(s) <= 0:
+            raise ConfigError(f"{key}: {list(s)} is not a [height, width] of positive sides")
+        if s[0] * s[1] > max_pixels:
+            raise ConfigError(f"{key}: {s[0]}x{s[1]} has {s[0] * s[1]:,} pixels, over export.max_pixels="
+                              f"{max_pixels:,}")
 
 
 REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"

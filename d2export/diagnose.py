@@ -12,6 +12,8 @@ import logging
 import sys
 import tempfile
 
+from d2export.cli import parser
+
 def _sizes(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(v) for v in s.lower().split("x", 1)) for s in text.split(",") if s]
@@ -21,12 +23,11 @@ def _sizes(text: str) -> list[tuple[int, int]]:
 
 def diagnose_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="d2export diagnose",
-                                 description="Name the first module where the ONNX export and PyTorch part ways.")
-    ap.add_argument("--config", default="textdet", help="config name in configs/ or a YAML path (default textdet)")
+    ap = parser("d2export diagnose", "Name the first module where the ONNX export and PyTorch part ways.")
+    ap.add_argument("--config", default="textdet", help="config name in configs/ or a YAML path")
     ap.add_argument("--sizes", type=_sizes, default=None, help="image sizes HxW,HxW… (default: verification sizes)")
     ap.add_argument("--all", action="store_true", help="print every row, not only up to the first divergence")
-    ap.add_argument("--json", default=None, help="also write the report as JSON here")
+    ap.add_argument("--json", default=None, help="also write the report as JSON here (default: none)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. export.opset=16 export.sampler=grid_sample")
     args = ap.parse_args(argv)
     from d2export import pipeline

@@ -16,6 +16,7 @@ import platform
 import signal
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -23,7 +24,7 @@ from typing import Iterator, Sequence
 import torch
 
 from d2export import __version__, building
-from d2export.config import D2ExportConfig
+from d2export.config import D2ExportConfig, check_files
 from d2export.exporting import lint as lint_mod
 from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
@@ -52,8 +53,11 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     from d2export.patching import msda_swap
 
     root = Path(root or os.getcwd())
+    check_files(cfg, root)
     _step(1, "importing user code", ", ".join(cfg.model.imports) or "-")
-    building.import_user_code(cfg.model, cfg.plugin, root)
+    with warnings.catch_warnings():  # scripted user code: torch's deprecation notice says nothing about this model
+        warnings.filterwarnings("ignore", r"`torch\.jit\.script` is deprecated", FutureWarning)
+        building.import_user_code(cfg.model, cfg.plugin, root)
     _step(2, "building the model", cfg.model.lazy_config or cfg.model.d2_config)
     d2cfg = building.load_config(cfg.model, root)
     model, weights = building.build_model(cfg.model, d2cfg, root)

@@ -18,11 +18,10 @@ from typing import Sequence
 import onnx
 import torch
 
+from d2export.config import EXPORTERS
 from d2export.manifest import staged
 
 log = logging.getLogger(__name__)
-
-EXPORTERS = ("torchscript", "dynamo")
 
 
 class ExportError(RuntimeError):

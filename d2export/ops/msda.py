@@ -27,10 +27,10 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from . import SAMPLERS
 from ._bilinear import bilinear_window, quad_table
 from .level_shapes import level_shapes, level_starts, static_size
 
-SAMPLERS = ("auto", "gather", "grid_sample", "pytorch", "trt_plugin", "fused")
 EXPORT_DEFAULT = "gather"
 # the gather sampler's queries are processed in this many pieces (peak memory / QUERY_CHUNKS; see _gather)
 QUERY_CHUNKS = 16

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from d2export.cli import parser
 from d2export.runtime.images import IMAGE_SUFFIXES, BadImage, read_image
 from d2export.runtime.predictor import ProviderUnavailable, add_predictor_arguments, predictor_from_args
 
@@ -57,11 +58,11 @@ def _unique(stem: str, used: set[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="d2export infer", description=__doc__.split("\n")[0])
+    ap = parser("d2export infer", __doc__.split("\n\n")[0].replace("\n", " "))
     add_predictor_arguments(ap)
     ap.add_argument("inputs", nargs="+", help="image files and/or folders")
-    ap.add_argument("-o", "--output", default="-", help="JSON lines file (default: stdout)")
-    ap.add_argument("--vis", default=None, metavar="DIR", help="write <DIR>/<name>.png with polygons and text")
+    ap.add_argument("-o", "--output", default="-", help="JSON lines file (-: stdout)")
+    ap.add_argument("--vis", default=None, metavar="DIR", help="write <DIR>/<name>.png with outlines and labels (default: no pictures)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     try:

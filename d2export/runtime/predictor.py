@@ -243,7 +243,7 @@ def add_predictor_arguments(ap) -> None:
     ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
     ap.add_argument("--providers", default="cpu", help="comma-separated: cpu, cuda, tensorrt (in priority order)")
     ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
-    ap.add_argument("--score-threshold", type=float, default=None, help="default: the manifest's")
+    ap.add_argument("--score-threshold", type=float, default=None, help="lowest score kept (default: the manifest's)")
     ap.add_argument("--min-size", type=int, default=None, help="shortest edge to resize to (default: the manifest's)")
     ap.add_argument("--max-size", type=int, default=None, help="longest edge cap (default: the manifest's)")
     ap.add_argument("--no-verify-hash", action="store_true",

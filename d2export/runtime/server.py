@@ -35,6 +35,7 @@ from typing import AsyncIterator, Iterator
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from d2export.cli import parser
 from d2export.runtime.images import MAX_PIXELS, BadImage, ImageTooLarge, decode_image
 from d2export.runtime.predictor import (Prediction, Predictor, Prepared, ProviderUnavailable,
                                         add_predictor_arguments, predictor_from_args)
@@ -385,9 +386,9 @@ def serving(app, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="d2export serve", description="Serve an exported model over HTTP.")
+    ap = parser("d2export serve", "Serve an exported model over HTTP: POST /predict, GET /healthz and /metadata.")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8000, help="TCP port")
     add_predictor_arguments(ap)
     ap.add_argument("--max-batch", type=int, default=None,
                     help=f"batch concurrent requests up to this many (default: {DEFAULT_BATCH} where the graph's batch "

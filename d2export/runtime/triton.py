@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from d2export.cli import parser
 from d2export.manifest import Manifest, TensorSpec, manifest_path
 
 TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
@@ -231,13 +232,12 @@ def _message(tokens: list[str], i: int, top: bool = False) -> tuple[dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="d2export triton-repo",
-                                 description="Write a Triton Inference Server model repository for an exported model.")
+    ap = parser("d2export triton-repo", "Write a Triton Inference Server model repository for an exported model.")
     ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
     ap.add_argument("repo", help="the model repository folder (created if missing)")
     ap.add_argument("--name", default=None, help="model name in the repository (default: the file's stem)")
-    ap.add_argument("--version", type=int, default=1)
-    ap.add_argument("--max-batch-size", type=int, default=8, help="0 turns batching off")
+    ap.add_argument("--version", type=int, default=1, help="the model version folder in the repository")
+    ap.add_argument("--max-batch-size", type=int, default=8, help="Triton's max_batch_size; 0 turns batching off")
     ap.add_argument("--queue-delay-us", type=int, default=2000, help="dynamic batcher's wait for company")
     ap.add_argument("--instances", type=int, default=1, help="model instances per device")
     ap.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
