@@ -9,7 +9,6 @@ actors' start and model load. `infer` runs first, before Ray exists, with onnxru
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -18,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from d2export.cli import parser
 
 
 def uptime() -> str:
@@ -48,14 +49,14 @@ def rows_of(folder: Path) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="benchmark.py batch", description=__doc__.split("\n")[0])
+    ap = parser("benchmark.py batch", __doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="an exported .onnx; default: export --config into a temp dir")
     ap.add_argument("--config", default="textdet_tiny", help="config to export when no --model is given")
-    ap.add_argument("--pictures", type=int, default=300)
+    ap.add_argument("--pictures", type=int, default=300, help="pictures in the corpus")
     ap.add_argument("--corrupt", type=int, default=5, help="how many of them are truncated")
     ap.add_argument("--sizes", default="480x640,480x640,480x640,600x400", help="original HxW, cycled")
     ap.add_argument("--runs", default="2x1,1x2", help="batch runs as ACTORSxTHREADS, comma-separated")
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=8, help="pictures per session run")
     args = ap.parse_args(argv)
 
     from benchmarks.serve import exported

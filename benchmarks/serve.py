@@ -14,7 +14,6 @@ RSS before the timed requests, after, and the peak (VmHWM).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os

@@ -70,7 +70,7 @@ def test_every_option_has_help_and_shows_its_default(monkeypatch, command):
     _check_help(ap)
 
 
-@pytest.mark.parametrize("sub", ["msda", "e2e", "serve"])
+@pytest.mark.parametrize("sub", ["msda", "e2e", "serve", "batch"])
 def test_benchmark_options_have_help_and_defaults(monkeypatch, sub):
     sys.path.insert(0, str(REPO))
     _check_help(_parser_of(monkeypatch, importlib.import_module(f"benchmarks.{sub}").main, ["--help"]))
@@ -79,7 +79,7 @@ def test_benchmark_options_have_help_and_defaults(monkeypatch, sub):
 def test_benchmark_tool_help_exits_zero():
     r = subprocess.run([sys.executable, str(REPO / "tools" / "benchmark.py"), "--help"], capture_output=True,
                        text=True, env=ENV)
-    assert r.returncode == 0 and all(s in r.stdout for s in ("msda", "e2e", "serve"))
+    assert r.returncode == 0 and all(s in r.stdout for s in ("msda", "e2e", "serve", "batch"))
     r = subprocess.run([sys.executable, str(REPO / "tools" / "benchmark.py"), "bogus"], capture_output=True,
                        text=True, env=ENV)
     assert r.returncode == 2 and "bogus" in r.stderr

@@ -15,7 +15,6 @@ travels through Ray's object store; pictures and OUTPUT must be where every node
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from typing import Any, Iterable
 import numpy as np
 from fsspec.utils import glob_translate
 
+from d2export.cli import parser
 from d2export.manifest import Manifest, manifest_path
 from d2export.runtime.images import IMAGE_SUFFIXES, decode_image
 from d2export.runtime.predictor import (PROVIDERS, Prepared, Processing, ProviderUnavailable,
@@ -333,14 +333,14 @@ def run(model: str | os.PathLike, source: str, output: str, *, fmt: str = "parqu
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="d2export batch", conflict_handler="resolve",  # --threads below replaces
-                                 description="Offline inference over a picture corpus on Ray Data: one row per "
-                                             "picture (Parquet or JSON lines); a rerun resumes.")
+    ap = parser("d2export batch", "Offline inference over a picture corpus on Ray Data: one row per picture (Parquet or "
+                "JSON lines); a rerun resumes.")
+    ap.conflict_handler = "resolve"  # --threads below replaces the shared option
     add_predictor_arguments(ap)
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads per actor (default 1)")
     ap.add_argument("input", help="a folder, a glob, or a list file (one picture a line); local or s3://, gs://, …")
     ap.add_argument("output", help="the folder the rows go to (parquet or jsonl files); a rerun skips what it holds")
-    ap.add_argument("--format", choices=list(FORMATS), default="parquet")
+    ap.add_argument("--format", choices=list(FORMATS), default="parquet", help="how rows are written")
     ap.add_argument("--address", default=None, help="Ray cluster: auto, ray://host:10001, … (default: a local Ray)")
     ap.add_argument("--actors", type=int, default=None, help="onnxruntime sessions (default: as many as the CPUs "
                                                               "hold, one CPU kept for decoding)")

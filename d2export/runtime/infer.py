@@ -3,7 +3,6 @@ results with --vis. A picture that fails, for whatever reason, gets a line with 
 processed; the exit status is then 1."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os

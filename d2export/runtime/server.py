@@ -19,7 +19,6 @@ clients stays within 2x of its peak after one client's requests without batching
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib

@@ -16,7 +16,6 @@ Triton's dynamic batcher may join requests (of equal shapes). Other dynamic axes
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
