@@ -11,13 +11,11 @@ from typing import Any
 
 import torch
 
-from d2export.config import ModelConfig, PluginConfig
+from d2export.config import ModelConfig, PluginConfig, UserError  # noqa: F401 - UserError: raised here, caught by callers
 
 log = logging.getLogger(__name__)
 
 
-class UserError(RuntimeError):
-    """A problem with the user's input (config, files, code): reported in one line, without a traceback."""
 
 
 def _call_path(spec: str):

@@ -132,7 +132,11 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="d2export_schema", node=D2ExportConfig)
 
 
-class ConfigError(ValueError):
+class UserError(RuntimeError):
+    """A problem with the user's input (config, files, code): reported in one line, without a traceback."""
+
+
+class ConfigError(UserError, ValueError):
     """A config value that cannot work: said in one line, before anything is built."""
 
 
