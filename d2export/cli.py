@@ -38,9 +38,10 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-def parser(prog: str, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
+def parser(prog: str, description: str, epilog: str | None = None, **kwargs) -> argparse.ArgumentParser:
     """An argparse parser in d2export's style (defaults shown, text kept as written)."""
-    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
+    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter,
+                                   **kwargs)
 
 
 def one_line(e: BaseException) -> str:

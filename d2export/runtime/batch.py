@@ -334,8 +334,7 @@ def run(model: str | os.PathLike, source: str, output: str, *, fmt: str = "parqu
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser("d2export batch", "Offline inference over a picture corpus on Ray Data: one row per picture (Parquet or "
-                "JSON lines); a rerun resumes.")
-    ap.conflict_handler = "resolve"  # --threads below replaces the shared option
+                "JSON lines); a rerun resumes.", conflict_handler="resolve")  # --threads below replaces the shared one
     add_predictor_arguments(ap)
     ap.add_argument("--threads", type=int, default=1, help="onnxruntime intra-op threads per actor (default 1)")
     ap.add_argument("input", help="a folder, a glob, or a list file (one picture a line); local or s3://, gs://, …")
