@@ -259,10 +259,10 @@ def main(argv=None):
     p.add_argument("--sizes", type=int, nargs="*", default=[320, 640, 1024, 1600],
                    help="sizes of the per-size table (none: skip it)")
     p.add_argument("--size-runs", type=int, default=2, help="timed images per size after a warm-up one")
-    p.add_argument("--plot", help="write the per-size figure here (PNG)")
+    p.add_argument("--plot", help="write the per-size figure here (PNG; default: no figure)")
     p.add_argument("--dynamo", action="store_true", help="also export the first sampler with torch.export")
     p.add_argument("--fp16", action="store_true", help="also a float16 copy of the first graph, with its parity")
-    p.add_argument("--profile-runs", type=int, default=2)
+    p.add_argument("--profile-runs", type=int, default=2, help="onnxruntime profiled runs per graph")
     p.add_argument("--out", help="keep the exported graphs here (default: a temporary directory)")
     p.add_argument("--reuse", action="store_true", help="reuse graphs already in --out instead of exporting")
     p.add_argument("--export-child", nargs=4, help=argparse.SUPPRESS)
