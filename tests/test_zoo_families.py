@@ -169,7 +169,7 @@ def test_unsupported_zoo_model_is_refused_in_one_line(tmp_path):
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert "no model family fits SemanticSegmentor" in last and "rcnn:" in last and "retinanet:" in last
-    assert not list(tmp_path.iterdir())
+    assert not [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")]  # the export lock may stay
 
 
 def test_zoo_name_that_does_not_exist_is_refused_in_one_line(tmp_path):
