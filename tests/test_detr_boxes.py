@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import d2export
@@ -53,6 +54,7 @@ def test_lazy_overrides_reach_the_built_model_and_the_manifest_sections():
     assert built.family.name == "detr_boxes"
     assert built.model.transformer.two_stage_num_proposals == 12  # through the config's own interpolation
     assert built.model.select_box_nums_for_evaluation == 7
+    assert built.adapter.head.mask_rule == 1  # the stand-in's (detrex's current) `[:(h - 1), :(w - 1)]`, as seen
     pre, post = built.family.preprocess(built.d2cfg), built.family.postprocess(built.d2cfg)
     assert pre["input_format"] == "RGB" and (pre["min_size_test"], pre["max_size_test"]) == (96, 256)
     assert pre["pixel_mean"] == pytest.approx([123.675, 116.28, 103.53])
@@ -98,6 +100,38 @@ def test_recognition_misses_are_one_line_and_name_what_is_lacking():
     lookalike = _Module(*DETECTOR)
     with pytest.raises(families.FamilyError, match="inverse_sigmoid"):
         families.recognise(lookalike, "detr_boxes")
+
+
+class _MaskedDetector(nn.Module):
+    """A detector's forward up to its position embedding, building padding masks by `rule` as detrex releases do:
+    ones zeroed over each image short of its size by `rule` rows and columns, or (None) no mask."""
+
+    def __init__(self, rule, stride):
+        super().__init__()
+        self.rule, self.stride = rule, stride
+        self.position_embedding = nn.Identity()
+
+    def forward(self, batched_inputs):
+        from detectron2.structures import ImageList
+
+        images = ImageList.from_tensors([x["image"] for x in batched_inputs])
+        n, _, H, W = images.tensor.shape
+        masks = images.tensor.new_zeros(n, H, W) if self.rule is None else images.tensor.new_ones(n, H, W)
+        for i, (h, w) in enumerate(images.image_sizes if self.rule is not None else []):
+            masks[i, :h - self.rule, :w - self.rule] = 0
+        feat = F.avg_pool2d(images.tensor, self.stride, ceil_mode=True)
+        self.position_embedding(F.interpolate(masks[None], size=feat.shape[-2:]).to(torch.bool)[0])
+        raise AssertionError("the probe must stop at the position embedding")
+
+
+@pytest.mark.parametrize("stride", [8, 16])
+def test_the_padding_mask_rule_is_read_off_the_models_own_forward(stride):
+    from d2export.tracing.detrex import mask_rule
+
+    for rule in (1, 0, None):
+        assert mask_rule(_MaskedDetector(rule, stride)) == rule
+    with pytest.raises(ValueError, match="none of the known rules"):
+        mask_rule(_MaskedDetector(2, stride))
 
 
 def test_export_verifies_at_five_sizes_and_a_mixed_batch_with_a_clean_lint(exported):

@@ -1,8 +1,8 @@
 """The tracing side of detrex's DETR detectors (DeformableDETR, DINO, …), whose `forward` takes list[dict] and
 builds padding masks in a per-image Python loop (a trace would bake the batch size and the dummy's image sizes).
 
-`DetrexBody` runs the same flow from a padded batch and its `image_sizes` tensor: padding masks as the models'
-evaluation branch builds them (ones, zeroed over each image but its last row and column), the model's own backbone,
+`DetrexBody` runs the same flow from a padded batch and its `image_sizes` tensor: padding masks by the rule the
+model's own forward is seen to follow (detrex's releases differ; `mask_rule` watches), the model's own backbone,
 neck, position embedding and transformer, then the last decoder layer's class and box heads with the model module's
 own `inverse_sigmoid`. `DetrexAdapter.reference` is independent of it: the model's own forward on list[dict], its
 own `inference` top-k captured before `detector_postprocess`.
@@ -20,8 +20,62 @@ from torch import Tensor, nn
 from d2export.ops.level_shapes import static_size
 from d2export.tracing.detr import DetrAdapter
 
-# detrex's evaluation branch: `img_masks[i, :(img_h - 1), :(img_w - 1)] = 0` on a tensor of ones
-MASK_MARGIN = 1
+# padding-mask rules of detrex's evaluation branch, in the order tried: rows/columns left unmasked short of each
+# image's size (`img_masks[i, :(img_h - 1), :(img_w - 1)] = 0` on ones: 1; `:img_h`: 0), or None: no mask at all
+# (`new_zeros`, releases before detrex#134)
+MASK_RULES = (1, 0, None)
+# a probe batch whose image sizes step by one pixel, so that at a stride up to 16 some image's last row and column
+# fall on the rows and columns that nearest-neighbour resizing samples, and one image padded by more than a stride
+PROBE_SIZES = [(64 - i, 80 - i) for i in range(16)] + [(32, 40)]
+
+
+class _Seen(Exception):
+    pass
+
+
+def observed_mask(model: nn.Module) -> Tensor:
+    """The first-level padding mask the model's own forward hands its position embedding, for the probe batch
+    (the forward is stopped there: the backbone and neck run, nothing after)."""
+    seen = []
+
+    def stop(module, args):
+        seen.append(args[0].clone())
+        raise _Seen
+
+    hook = model.position_embedding.register_forward_pre_hook(stop)
+    try:
+        with torch.no_grad():
+            model([{"image": torch.zeros(3, h, w)} for h, w in PROBE_SIZES])
+    except _Seen:
+        pass
+    finally:
+        hook.remove()
+    if not seen:
+        raise ValueError(f"{type(model).__name__}'s forward never called its position_embedding")
+    return seen[0]
+
+
+def mask_rule(model: nn.Module):
+    """Which of MASK_RULES the model's forward follows, by watching it (one rule where several fit the probe)."""
+    seen = observed_mask(model)
+    sizes = torch.tensor(PROBE_SIZES)
+    padded = torch.zeros(len(PROBE_SIZES), 3, int(sizes[:, 0].max()), int(sizes[:, 1].max()))
+    for rule in MASK_RULES:
+        masks = padding_masks(padded, sizes, rule)
+        if torch.equal(F.interpolate(masks[None], size=seen.shape[-2:]).to(torch.bool)[0], seen.bool()):
+            return rule
+    raise ValueError(f"{type(model).__name__} builds its padding masks by none of the known rules "
+                     "(ones but each image, short of its size by 1 or 0 rows and columns; or no mask)")
+
+
+def padding_masks(x: Tensor, image_sizes: Tensor, rule) -> Tensor:
+    """[N, H, W] in x's dtype: 1 on padding (and, by `rule`, the last rows/columns of each image), 0 elsewhere."""
+    if rule is None:
+        return x.new_zeros(x.shape[0], x.shape[2], x.shape[3])
+    valid = image_sizes.to(torch.long) - rule
+    rows = torch.arange(x.shape[2], device=x.device)[None, :] < valid[:, 0, None]
+    cols = torch.arange(x.shape[3], device=x.device)[None, :] < valid[:, 1, None]
+    return (~(rows[:, :, None] & cols[:, None, :])).to(x.dtype)
 
 
 def model_helper(model: nn.Module, name: str):
@@ -37,19 +91,14 @@ class DetrexBody(nn.Module):
         self.model = model
         self.inverse_sigmoid = model_helper(model, "inverse_sigmoid")
         self.denoising = hasattr(model, "label_enc")  # DINO-style: (label, box) query pairs and attention masks
-
-    def padding_masks(self, x: Tensor, image_sizes: Tensor) -> Tensor:
-        valid = image_sizes.to(torch.long) - MASK_MARGIN
-        rows = torch.arange(x.shape[2], device=x.device)[None, :] < valid[:, 0, None]
-        cols = torch.arange(x.shape[3], device=x.device)[None, :] < valid[:, 1, None]
-        return (~(rows[:, :, None] & cols[:, None, :])).to(x.dtype)
+        self.mask_rule = mask_rule(model)
 
     def forward(self, images) -> dict[str, Tensor]:
         m = self.model
         x = images.tensor
         sizes = images.image_sizes
         sizes = sizes if isinstance(sizes, Tensor) else torch.tensor([list(s) for s in sizes])
-        img_masks = self.padding_masks(x, sizes)
+        img_masks = padding_masks(x, sizes, self.mask_rule)
         feats = m.neck(m.backbone(x))
         masks = [F.interpolate(img_masks[None], size=f.shape[-2:]).to(torch.bool).squeeze(0) for f in feats]
         pos = [m.position_embedding(mask) for mask in masks]
