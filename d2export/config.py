@@ -190,8 +190,20 @@ def check_files(cfg: D2ExportConfig, root: Path) -> None:
     named = [(f"model.{k}", getattr(m, k)) for k in ("d2_config", "lazy_config", "weights") if getattr(m, k)]
     named += [(f"model.sys_path[{i}]", p) for i, p in enumerate(m.sys_path)]
     for key, value in named:
-        if not (root / value).exists():
-            raise ConfigError(f"{key}={value}: no such file or folder (relative paths start at {root})")
+        zoo = key == "model.d2_config"
+        if not (root / value).exists() and not (zoo and in_model_zoo(value)):
+            raise ConfigError(f"{key}={value}: no such file or folder (relative paths start at {root})"
+                              + (", nor a config in detectron2's model zoo" if zoo else ""))
+
+
+def in_model_zoo(name: str) -> bool:
+    """`name` is a config inside the installed detectron2's model zoo (e.g. COCO-Detection/retinanet_R_50_FPN_1x.yaml),
+    found without importing detectron2."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("detectron2")
+    places = spec.submodule_search_locations or [] if spec else []
+    return any((Path(p) / "model_zoo" / "configs" / name).is_file() for p in places)
 
 
 def _one_of(key: str, value: Any, allowed: Sequence[str]) -> None:
