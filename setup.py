@@ -43,10 +43,12 @@ setup(
         "omegaconf>=2.3",
         "numpy>=1.23",
         "Pillow>=9.0",
+        "pydantic>=2",  # the manifest's schema, checked when read (the serving runtime too)
+        "tqdm>=4",  # progress on long steps
     ],
     extras_require={
         "gpu": ["onnxruntime-gpu>=1.17"],
-        "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6", "tqdm>=4", "prometheus_client>=0.17"],
+        "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6", "prometheus_client>=0.17"],
         "slim": ["onnxslim>=0.1.30"],
         "batch": ["ray[data]>=2.40", "fsspec>=2023.12"],  # `d2export batch`
         # tritonclient: Triton's model-config protobuf, to check the configs triton-repo writes; matplotlib: benchmarks'

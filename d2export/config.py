@@ -68,7 +68,8 @@ class ExportConfig:
     lint: bool = opt(True, "trace at a second size and flag constants that follow the dummy's size")
     fp16: bool = opt(False, "write a float16 graph (MSDA sampling, Softmax, Range … stay float32); verified with "
                      "verify.fp16_atol and top-K agreement")
-    keep_io_types: bool = opt(True, "with fp16: the graph's float inputs and outputs stay float32")
+    keep_io_types: bool = opt(True, "with fp16: the graph's float inputs and outputs stay float32 (false: "
+                                "float16, except outputs of nodes kept in float32)")
     max_pixels: int = opt(4096 * 4096, "largest height×width any size in this config may have")
 
 

@@ -1,6 +1,7 @@
 """`d2export diagnose`: the parity ladder for a configured model (see docs/ladder.md).
 
-    d2export diagnose --config textdet_tiny [--sizes 160x224,224x160] [--all] [--json out.json] [overrides …]
+    d2export diagnose --config textdet_tiny [--sizes 160x224,224x160] [--all] [--json out.json] [--vis DIR]
+        [--images PICTURE …] [overrides …]
 
 Exit status 0 when every module agrees at every size, 1 when one diverges, 2 on a usage error.
 """
@@ -11,14 +12,29 @@ import json
 import logging
 import sys
 import tempfile
+from pathlib import Path
+
+import numpy as np
 
 from d2export.cli import parser
+from d2export.imaging import synthetic_image
+
 
 def _sizes(text: str) -> list[tuple[int, int]]:
     try:
         return [tuple(int(v) for v in s.lower().split("x", 1)) for s in text.split(",") if s]
     except ValueError:
         raise argparse.ArgumentTypeError(f"sizes are HxW,HxW…: {text!r}") from None
+
+
+def _pictures(files: list[str], sizes) -> list[tuple[str, np.ndarray]]:
+    """(name, HWC RGB uint8) from files, or synthetic pictures at the given sizes."""
+    if files:
+        from d2export.runtime.images import read_image
+
+        return [(Path(f).stem, read_image(f)) for f in files]
+    return [(f"synthetic_{h}x{w}", synthetic_image(h, w, seed=i).transpose(1, 2, 0))
+            for i, (h, w) in enumerate(sizes)]
 
 
 def diagnose_main(argv: list[str] | None = None) -> int:
@@ -28,6 +44,10 @@ def diagnose_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=_sizes, default=None, help="image sizes HxW,HxW… (default: verification sizes)")
     ap.add_argument("--all", action="store_true", help="print every row, not only up to the first divergence")
     ap.add_argument("--json", default=None, help="also write the report as JSON here (default: none)")
+    ap.add_argument("--vis", default=None, metavar="DIR", help="also write PyTorch | ONNX results side by side as "
+                    "<DIR>/<picture>.png (default: none)")
+    ap.add_argument("--images", nargs="+", default=[], metavar="PICTURE",
+                    help="pictures for --vis (default: synthetic ones at --sizes or the verification sizes)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. export.opset=16 export.sampler=grid_sample")
     args = ap.parse_args(argv)
     from d2export import pipeline
@@ -39,7 +59,15 @@ def diagnose_main(argv: list[str] | None = None) -> int:
         overrides = args.overrides + ([] if any(o.startswith("export.output_dir=") for o in args.overrides)
                                       else [f"export.output_dir={tmp}"])
         try:
-            report = pipeline.ladder(pipeline.prepare(load(args.config, overrides)), args.sizes)
+            built = pipeline.prepare(load(args.config, overrides))
+            report = pipeline.ladder(built, args.sizes)
+            if args.vis:
+                from d2export.compare import side_by_side_pictures
+
+                for path in side_by_side_pictures(built, _pictures(args.images, args.sizes or
+                                                                   pipeline.verification_sizes(built.cfg)),
+                                                  Path(args.vis)):
+                    print(f"wrote {path} (PyTorch left, ONNX right)")
         except (FileNotFoundError, ValueError) as e:
             print(f"d2export: error: {e}", file=sys.stderr)
             return 2

@@ -36,6 +36,7 @@ class Manifest:
     # d2export custom operators the graph holds ("d2export.MultiScaleDeformableAttention" for export.sampler=fused):
     # a session must register them (d2export.runtime.custom_ops)
     custom_ops: list[str] = field(default_factory=list)
+    precision: str = "float32"  # "float16" with export.fp16 (MSDA sampling, Softmax, … float32 inside)
     # what the runtime needs for pre- and post-processing
     preprocess: dict[str, Any] = field(default_factory=dict)  # input_format, min_size_test, max_size_test, size_divisibility
     postprocess: dict[str, Any] = field(default_factory=dict)  # score_threshold, voc, use_polygon, …
@@ -52,13 +53,35 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Manifest":
-        d = dict(d)
-        version = d.get("schema_version", SCHEMA_VERSION)
-        if version > SCHEMA_VERSION:
+        """Validated against the schema (the dataclasses above, checked by pydantic): a wrong type or a missing field
+        is one line naming it."""
+        import pydantic
+
+        version = d.get("schema_version", SCHEMA_VERSION) if isinstance(d, dict) else SCHEMA_VERSION
+        if isinstance(version, int) and version > SCHEMA_VERSION:
             raise ValueError(f"manifest schema {version} is newer than this d2export understands ({SCHEMA_VERSION})")
-        d["inputs"] = [TensorSpec(**t) for t in d["inputs"]]
-        d["outputs"] = [TensorSpec(**t) for t in d["outputs"]]
-        return cls(**d)
+        try:
+            return pydantic.TypeAdapter(cls).validate_python(d)
+        except pydantic.ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(map(str, first["loc"])) or "(top level)"
+            raise ValueError(f"manifest does not match its schema: {where}: {first['msg']}"
+                             + (f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else "")) from None
+
+    @classmethod
+    def from_model(cls, model_path: str | os.PathLike) -> "Manifest":
+        """The essentials a model carries in its metadata_props (`embed_manifest`), with the input/output schema read
+        from the graph: a lone .onnx can be served."""
+        import onnx
+
+        model = onnx.load(str(model_path), load_external_data=False)
+        metadata = {p.key: p.value for p in model.metadata_props}
+        if METADATA_KEY not in metadata:
+            raise ValueError(f"{Path(model_path).name}: no manifest beside it ({manifest_path(model_path).name}) and "
+                             f"none inside it (metadata_props {METADATA_KEY!r})")
+        return cls.from_dict(json.loads(metadata[METADATA_KEY]) | {
+            "model_file": Path(model_path).name, "inputs": graph_specs(model.graph.input),
+            "outputs": graph_specs(model.graph.output)})
 
     def write(self, path: str | os.PathLike) -> None:
         write_atomic(Path(path), (json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n").encode())
@@ -66,6 +89,41 @@ class Manifest:
     @classmethod
     def read(cls, path: str | os.PathLike) -> "Manifest":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+METADATA_KEY = "d2export.manifest"
+
+
+def graph_specs(values) -> list[TensorSpec]:
+    """Names, dtypes and shapes of graph inputs or outputs as the graph declares them (dynamic axes by name)."""
+    from onnx import helper
+
+    specs = []
+    for v in values:
+        t = v.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in t.shape.dim]
+        specs.append(TensorSpec(v.name, str(helper.tensor_dtype_to_np_dtype(t.elem_type)), shape, v.doc_string))
+    return specs
+
+
+def embed_manifest(model_path: str | os.PathLike, manifest: Manifest) -> None:
+    """Write the manifest's essentials (family, pre/post-processing with the charset, precision, schema and export
+    versions) into the ONNX file's metadata_props, plus a few keys readable at a glance (Netron, onnx.load)."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    essentials = {k: v for k, v in manifest.to_dict().items()
+                  if k not in ("patches", "verification", "sha256", "export_seconds", "inputs", "outputs")}
+    essentials["opset"] = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    entries = {METADATA_KEY: json.dumps(essentials, ensure_ascii=False), "d2export.family": manifest.family,
+               "d2export.schema_version": str(manifest.schema_version), "d2export.precision": manifest.precision,
+               "d2export.version": manifest.versions.get("d2export", "")}
+    kept = [p for p in model.metadata_props if p.key not in entries]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for key, value in entries.items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(model_path))
 
 
 def manifest_path(model_path: str | os.PathLike) -> Path:

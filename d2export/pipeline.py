@@ -9,6 +9,7 @@ export starts by removing what a killed one left there (staged files, a model wi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -23,12 +24,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from d2export import __version__, building
+from d2export import __version__, building, progress
 from d2export.config import D2ExportConfig, check_files
 from d2export.exporting import lint as lint_mod
 from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
-from d2export.manifest import Manifest, TensorSpec, manifest_path, sha256_file, staged
+from d2export.manifest import Manifest, embed_manifest, graph_specs, manifest_path, sha256_file, staged
 from d2export.runtime import custom_ops
 from d2export.tracing import dummy_images, graph_inputs, torch_inputs
 
@@ -104,7 +105,7 @@ def verification_cases(built: Built) -> list[verify_mod.Case]:
         log.warning("verify.batch: no batch case, the %s graph takes one image per run (fixed batch axis)",
                     built.family.name)
     cases = []
-    for i, group in enumerate(groups):
+    for i, group in progress.steps(list(enumerate(groups)), "eager references"):
         images = dummy_images(group, seed=1000 + 10 * i)
         name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group)
         cases.append(verify_mod.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images)))
@@ -170,16 +171,17 @@ def remove_orphans(final: Path) -> list[Path]:
     return orphans
 
 
-def export(cfg: D2ExportConfig, root: Path | None = None) -> Manifest:
+def export(cfg: D2ExportConfig, root: Path | None = None, built: Built | None = None) -> Manifest:
+    """The whole flow; `built` reuses a prepared model (its config must be `cfg`)."""
     final = Path(cfg.export.output_dir) / cfg.export.filename
     with destination_lock(final):
         remove_orphans(final)
-        return _export(cfg, root, final)
+        return _export(cfg, root, final, built)
 
 
-def _export(cfg: D2ExportConfig, root: Path | None, final: Path) -> Manifest:
+def _export(cfg: D2ExportConfig, root: Path | None, final: Path, built: Built | None) -> Manifest:
     started = time.perf_counter()
-    built = prepare(cfg, root)
+    built = built or prepare(cfg, root)
     _fault_point("built")
     adapter, e = built.adapter, cfg.export
     cases = []
@@ -193,17 +195,20 @@ def _export(cfg: D2ExportConfig, root: Path | None, final: Path) -> Manifest:
         with staged(final, suffix=".staged.onnx") as staged_model:
             with export_scope(built) as report:
                 _step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
-                result = export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
-                                     output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
-                                     exporter=e.exporter, simplify=e.simplify)
+                with progress.busy(f"exporting ({e.exporter})"):
+                    result = export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
+                                         output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
+                                         exporter=e.exporter, simplify=e.simplify)
                 log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
                 _fault_point("exported")
                 lint = _lint(built, staged_model, result, axes) if e.lint else None
-            log.info("patches:\n%s", report)
+            log.info("patches applied:\n%s", report)
             if lint is not None:
                 log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
             verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
                             else {"passed": None})
+            if e.fp16:
+                verification["fp16"] = _to_fp16(cfg, staged_model, adapter.output_names, cases)
             _fault_point("verified")
             manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
             manifest.write(staged_manifest)
@@ -224,15 +229,18 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
     opset = next(o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx"))
     if opset != e.opset:  # torch.export has no translations below 18 and keeps 18 when conversion fails
         log.warning("asked for opset %d, the exporter wrote opset %d", e.opset, opset)
-    return Manifest(
+    manifest = Manifest(
         model_file=name, family=built.family.name,
-        inputs=_specs(graph.input), outputs=_specs(graph.output),
+        inputs=graph_specs(graph.input), outputs=graph_specs(graph.output),
         opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
+        precision="float16" if e.fp16 else "float32",
         preprocess=built.family.preprocess(built.d2cfg), postprocess=built.family.postprocess(built.d2cfg),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
-        export_seconds=round(time.perf_counter() - started, 2), sha256=sha256_file(model), weights=built.weights,
+        export_seconds=round(time.perf_counter() - started, 2), weights=built.weights,
     )
+    embed_manifest(model, manifest)  # the essentials also inside the model, before its hash is taken
+    return dataclasses.replace(manifest, sha256=sha256_file(model))
 
 
 def _step(i: int, what: str, detail: str = "") -> None:
@@ -248,7 +256,7 @@ def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
     sizes = traced_sizes(built.cfg)
     h, w = sizes[0]
     second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in sizes[1:]]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, progress.busy("lint: tracing at a second size"):
         e = built.cfg.export
         export_onnx(built.adapter, torch_inputs(built.adapter, dummy_images(second, 7)), Path(tmp) / "second.onnx",
                     input_names=built.adapter.input_names, output_names=built.adapter.output_names,
@@ -281,6 +289,31 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
     return summary
 
 
+def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
+    """The verified float32 graph → float16 in place, verified on the same cases with float16's own tolerances."""
+    import onnx
+    import onnxruntime as ort
+
+    from d2export.exporting.fp16 import to_float16
+
+    _step(5, "converting to float16", f"keep_io_types={cfg.export.keep_io_types}")
+    onnx.save(to_float16(onnx.load(str(path)), keep_io_types=cfg.export.keep_io_types), str(path))
+    if not cases:
+        return {"passed": None}
+    v = cfg.verify
+    options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
+    session = ort.InferenceSession(str(path), options, providers=list(v.providers))
+    summary = verify_mod.run_reduced_precision(session, output_names, cases, v.fp16_atol, v.fp16_rtol,
+                                               v.fp16_max_mismatch, "scores", v.top_k, v.min_top_k_agreement)
+    log.info("float16 verification (top-%d agreement %.2f):\n%s", v.top_k, summary["top_k_agreement"],
+             verify_mod.format_table([verify_mod.Comparison(**c) for c in summary["cases"]]))
+    if not summary["passed"]:
+        raise verify_mod.VerificationError(
+            f"the float16 graph disagrees with eager PyTorch past verify.fp16_atol={v.fp16_atol} or its top-{v.top_k} "
+            f"agreement {summary['top_k_agreement']:.2f} < verify.min_top_k_agreement={v.min_top_k_agreement}")
+    return summary
+
+
 def ladder(built: Built, sizes: Sequence[Sequence[int]] | None = None):
     """The parity ladder (docs/ladder.md) for a prepared model: its export settings and scope, the export's dummy
     input first, then one image per size (the verification sizes by default). Call it with no export scope open:
@@ -296,21 +329,10 @@ def ladder(built: Built, sizes: Sequence[Sequence[int]] | None = None):
 
 
 def _ladder(built: Built) -> dict:
-    report = ladder(built)
+    with progress.busy("parity ladder"):
+        report = ladder(built)
     log.log(logging.WARNING if report.culprit() else logging.INFO, "parity ladder:\n%s", report.format())
     return report.to_dict()
-
-
-def _specs(values) -> list[TensorSpec]:
-    """Names, dtypes and shapes as the graph itself declares them (dynamic axes by name)."""
-    from onnx import helper
-
-    specs = []
-    for v in values:
-        t = v.type.tensor_type
-        shape = [d.dim_param or d.dim_value for d in t.shape.dim]
-        specs.append(TensorSpec(v.name, str(helper.tensor_dtype_to_np_dtype(t.elem_type)), shape, v.doc_string))
-    return specs
 
 
 def _versions() -> dict:

@@ -156,3 +156,11 @@ def test_config_reference_is_current():
     for key, _, default, meaning in schema_rows():
         assert meaning.strip(), f"{key} has no meaning in the schema"
         assert f"| `{key}` |" in text
+
+
+def test_every_choice_is_documented():
+    from d2export.config import EXPORTERS, SAMPLERS, TARGETS
+
+    meaning = {k: m for k, _, _, m in schema_rows()}
+    for key, choices in [("export.sampler", SAMPLERS), ("export.exporter", EXPORTERS), ("export.target", TARGETS)]:
+        assert all(c in meaning[key] for c in choices), key

@@ -115,3 +115,35 @@ def test_softmax_inputs_are_float32(exported):
         if node.op_type == "Softmax":
             src = producers[node.input[0]]
             assert (src.op_type == "Cast" and src.attribute[0].i == TensorProto.FLOAT) or node_scope(src) == "attn"
+
+
+def test_keep_io_types_false_gives_float16_inputs_and_outputs(exported):
+    net, model = exported
+    half = to_float16(model, keep_io_types=False)
+    onnx.checker.check_model(half, full_check=True)
+    assert half.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT16
+    # y is made in float16; p by a Softmax, kept in float32, stays float32
+    assert [o.type.tensor_type.elem_type for o in half.graph.output] == [TensorProto.FLOAT16, TensorProto.FLOAT]
+    x = np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    y, p = ort.InferenceSession(half.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.astype(np.float16)})
+    with torch.no_grad():
+        ref = [t.double().numpy() for t in net.double()(torch.from_numpy(x).double())]
+    net.float()
+    assert y.dtype == np.float16 and p.dtype == np.float32 and np.abs(y - ref[0]).max() < 0.05 and np.abs(p - ref[1]).max() < 2e-3
+
+
+def test_constants_are_clamped_to_the_float16_range():
+    big = np.array([1e6, -1e6, 1e-30, -1e-30, 0.0, 1.5, np.inf], np.float32)
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "c"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [7])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [7])],
+                              initializer=[onnx.numpy_helper.from_array(big, "c")])
+    half = to_float16(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    c = onnx.numpy_helper.to_array(next(t for t in half.graph.initializer if t.name == "c"))
+    assert c.dtype == np.float16
+    assert c[0] == 65504 and c[1] == -65504  # not inf
+    assert c[2] > 0 and c[3] < 0  # not flushed to zero
+    assert c[4] == 0 and c[5] == 1.5 and np.isinf(c[6])

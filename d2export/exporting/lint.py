@@ -71,5 +71,6 @@ def compare_graphs(first: onnx.ModelProto, second: onnx.ModelProto) -> tuple[boo
 
 
 def summarise_warnings(caught: list[warnings.WarningMessage]) -> list[dict]:
-    counts = Counter((f"{w.filename}:{w.lineno}", str(w.message).splitlines()[0][:160]) for w in caught)
+    """One entry per source line and message (whole: a cut message hides what went wrong), with its count."""
+    counts = Counter((f"{w.filename}:{w.lineno}", " ".join(str(w.message).split())) for w in caught)
     return [{"where": where, "message": msg, "count": n} for (where, msg), n in counts.most_common()]

@@ -69,8 +69,10 @@ def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol
 
 def run_cases(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
               max_mismatch: float = 1e-3) -> list[Comparison]:
+    from d2export.progress import steps
+
     results = []
-    for case in cases:
+    for case in steps(cases, "verifying"):
         actual = session.run(list(output_names), case.inputs)
         for name, e, a in zip(output_names, case.expected, actual):
             results.append(compare(case.name, name, e, a, atol, rtol, max_mismatch))
@@ -97,3 +99,37 @@ def check(results: Sequence[Comparison]) -> None:
     failed = [r for r in results if not r.ok]
     if failed:
         raise VerificationError("onnxruntime disagrees with eager PyTorch:\n" + format_table(failed))
+
+
+def top_k_agreement(expected: np.ndarray, actual: np.ndarray, k: int) -> float:
+    """The least fraction, over a batch's rows, of the expected top-`k` detections (by score, last axis) that are also
+    the actual top-`k`: reduced precision may reorder near-equal scores, but should not change what is found."""
+    e, a = np.asarray(expected, np.float64), np.asarray(actual, np.float64)
+    e, a = e.reshape(-1, e.shape[-1]), a.reshape(-1, a.shape[-1])
+    k = min(k, e.shape[-1])
+    if k == 0:
+        return 1.0
+    top = lambda x: np.argsort(-x, axis=-1, kind="stable")[:, :k]  # noqa: E731
+    return float(min(len(set(r) & set(q)) / k for r, q in zip(top(e), top(a))))
+
+
+def run_reduced_precision(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
+                          max_mismatch: float, score_output: str, top_k: int, min_agreement: float) -> dict:
+    """A reduced-precision graph against eager float32: every output may have a fraction `max_mismatch` of elements
+    outside its (looser) tolerance, and the top-`top_k` by `score_output` must mostly be the same detections."""
+    from d2export.progress import steps
+
+    results, agreements = [], []
+    for case in steps(cases, "verifying float16"):
+        actual = dict(zip(output_names, session.run(list(output_names), case.inputs)))
+        for name, e in zip(output_names, case.expected):
+            d = difference(e, actual[name], atol, rtol)
+            results.append(Comparison(case.name, name, list(np.shape(e)), d.max_abs, d.max_rel, d.mismatch,
+                                      np.shape(e) == np.shape(actual[name]) and d.mismatch <= max_mismatch))
+        if score_output in actual:
+            agreements.append(top_k_agreement(case.expected[list(output_names).index(score_output)],
+                                              actual[score_output], top_k))
+    agreement = min(agreements, default=1.0)
+    return summarise(results) | {"atol": atol, "rtol": rtol, "max_mismatch": max_mismatch, "top_k": top_k,
+                                 "top_k_agreement": agreement, "min_top_k_agreement": min_agreement,
+                                 "passed": all(r.ok for r in results) and agreement >= min_agreement}

@@ -151,12 +151,22 @@ class PatchReport:
         return {"target": target, "patches": [r.to_dict() for r in self.records]}
 
     def __str__(self) -> str:
+        """Two parts: a table of the patches that rewrote something, then one line naming those installed for the
+        target that this model never called (available, not failures)."""
+        applied = [r for r in self.records if r.status == "applied"]
         head = ("patch", "kind", "status", "sites", "hits", "needed for", "note")
-        rows = [head] + [(r.name, r.kind, r.status, str(r.sites), str(r.hits), r.needed_for, r.note)
-                         for r in self.records]
+        rows = [head] + [(r.name, r.kind, r.status, str(r.sites), str(r.hits), r.needed_for, r.note) for r in applied]
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
+        if not applied:
+            lines.append("(none: this model needed no rewrite for this target)")
+        unused = [r.name for r in self.records if r.status == "unused"]
+        if unused:
+            lines.append(f"available for this target, not called by this model ({len(unused)}): {', '.join(unused)}")
+        excluded = self.by_status("excluded")
+        if excluded:
+            lines.append(f"excluded by request: {', '.join(excluded)}")
         return "\n".join(lines)
 
 

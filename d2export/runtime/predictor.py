@@ -137,15 +137,19 @@ class Processing:
 class Predictor(Processing):
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
                  score_threshold: float | None = None, provider_options: Sequence[dict] | None = None,
-                 min_size: int | None = None, max_size: int | None = None, verify_hash: bool = True):
+                 min_size: int | None = None, max_size: int | None = None, verify_hash: bool = True,
+                 embedded_manifest: bool = False):
         """`threads`: onnxruntime's intra-op threads (0: its default, one per core). The manifest
         (`model.manifest.json` beside the model) says everything else; see `Processing` for the overrides. The model
         must be the one its manifest describes (its sha256 unless `verify_hash=False`, and its inputs and outputs),
-        else ModelLoadError."""
+        else ModelLoadError. `embedded_manifest`: a model without a manifest beside it is served from the copy in its
+        own metadata_props (a lone model.onnx); by default such a model is refused (an interrupted export)."""
         import onnxruntime as ort
 
         self.model_path, self.threads = Path(model_path), int(threads)
-        super().__init__(load_manifest(self.model_path, verify_hash), score_threshold, min_size, max_size)
+        lone = embedded_manifest and self.model_path.is_file() and not manifest_path(self.model_path).exists()
+        manifest = Manifest.from_model(self.model_path) if lone else load_manifest(self.model_path, verify_hash)
+        super().__init__(manifest, score_threshold, min_size, max_size)
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(threads)
@@ -167,7 +171,9 @@ class Predictor(Processing):
     # the graph -----------------------------------------------------------------------------------------------------
     def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
         """One padded batch through the session: output name → array."""
-        return dict(zip(self.output_names, self.session.run(self.output_names, self.feeds(prepared))))
+        outputs = self.session.run(self.output_names, self.feeds(prepared))
+        # a float16 graph (export.fp16, keep_io_types=false) answers in float16: post-processing reads float32
+        return {n: o.astype(np.float32) if o.dtype == np.float16 else o for n, o in zip(self.output_names, outputs)}
 
     # all together --------------------------------------------------------------------------------------------------
     def predict_prepared(self, prepared: Sequence[Prepared],
@@ -195,7 +201,7 @@ class Predictor(Processing):
     def metadata(self) -> dict[str, Any]:
         m = self.manifest
         return {"model": self.model_path.name, "family": m.family, "sha256": m.sha256, "opset": m.opset,
-                "exporter": m.exporter, "sampler": m.sampler, "providers": self.providers,
+                "exporter": m.exporter, "sampler": m.sampler, "precision": m.precision, "providers": self.providers,
                 "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],
                 "preprocess": m.preprocess | {"min_size_test": self.min_size, "max_size_test": self.max_size},
                 "postprocess": m.postprocess | {"score_threshold": self.score_threshold},

@@ -1,13 +1,29 @@
 """A picture of a prediction: masks (translucent), outlines (polygons, boxes, boundaries, centre lines), keypoints and
-labels, on the original picture.
-Generic over `Instance` fields, so every family draws without code of its own."""
+labels, on the original picture. Generic over `Instance` fields, so every family draws without code of its own.
+
+Labels stay inside the picture and are placed, where there is room, where they overlap no other label. The font is
+the first found of `D2EXPORT_FONT`, a CJK-capable system font, DejaVu Sans (the `fonts-dejavu-core` package, or
+matplotlib's copy) and Pillow's own; a character the font cannot draw (the unknown-character glyph '口' without a CJK
+font) is drawn as '□' rather than as an empty box.
+"""
 from __future__ import annotations
 
 import colorsys
+import functools
+import os
+from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
 from d2export.instances import Instance, Prediction, decode_mask
+
+FONT_CANDIDATES = (  # a CJK font first (custom dictionaries), then DejaVu Sans
+    "/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc", "/usr/share/fonts/truetype/wqy/wqy-microhei.ttc",
+    "/usr/share/fonts/truetype/droid/DroidSansFallbackFull.ttf", "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf", "/Library/Fonts/Arial Unicode.ttf",
+)
+Box = tuple[float, float, float, float]
 
 
 def _colour(i: int) -> tuple[int, int, int]:
@@ -46,31 +62,130 @@ def _overlay_masks(image: np.ndarray, instances: list[Instance], alpha: float = 
     return out
 
 
-def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool = True):
+def _font_files() -> list[str]:
+    files = [os.environ["D2EXPORT_FONT"]] if os.environ.get("D2EXPORT_FONT") else []
+    files += list(FONT_CANDIDATES)
+    try:
+        import matplotlib
+
+        files.append(str(Path(matplotlib.__file__).parent / "mpl-data" / "fonts" / "ttf" / "DejaVuSans.ttf"))
+    except ImportError:
+        pass
+    return [f for f in files if Path(f).is_file()]
+
+
+@functools.lru_cache(maxsize=16)
+def font(size: int):
+    """The first usable font at `size` pixels (see the module's docstring)."""
+    from PIL import ImageFont
+
+    for path in _font_files():
+        try:
+            return ImageFont.truetype(path, size)
+        except OSError:
+            continue
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1 has one bitmap size
+        return ImageFont.load_default()
+
+
+@functools.lru_cache(maxsize=4096)
+def _drawable(face, char: str) -> bool:
+    """Whether `face` has a glyph for `char` (not its 'missing' box, the glyph of a non-character)."""
+    if char.isspace() or ord(char) < 128:
+        return True
+    def glyph(c: str) -> bytes:
+        mask = face.getmask(c)
+        return repr(mask.size).encode() + bytes(mask)  # size and pixels of the glyph as drawn
+
+    return glyph(char) != glyph("\uffff")
+
+
+def displayable(text: str, face) -> str:
+    """`text` with the characters `face` cannot draw shown as '□' (or '?' where even that is missing)."""
+    stand_in = "□" if _drawable(face, "□") else "?"
+    return "".join(c if _drawable(face, c) else stand_in for c in text)
+
+
+def _overlap(a: Box, b: Box) -> float:
+    return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+
+
+def place_labels(anchors: Sequence[Box], sizes: Sequence[tuple[float, float]], width: int, height: int) -> list[Box]:
+    """A box for each label (w, h) near its shape's bounding box `anchors[i]`: above it, below it, inside its top or
+    bottom, then stacked further away, each at the shape's left or right; always inside the picture, and the first
+    that overlaps no label placed before it (else the one that overlaps least)."""
+    placed: list[Box] = []
+    for (x0, y0, x1, y1), (w, h) in zip(anchors, sizes):
+        w, h = min(w, width), min(h, height)
+        rows = [y0 - h, y1, y0, y1 - h] + [y for k in range(1, 8) for y in (y0 - h - k * h, y1 + k * h)]
+        candidates = [(x, y) for y in rows for x in (x0, x1 - w, x1, x0 - w)]
+        best, best_cost = None, None
+        for x, y in candidates:
+            x, y = min(max(x, 0), width - w), min(max(y, 0), height - h)  # inside the picture
+            box = (x, y, x + w, y + h)
+            cost = sum(_overlap(box, other) for other in placed)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = box, cost
+            if cost == 0:
+                break
+        placed.append(best)
+    return placed
+
+
+def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool = True, title: str | None = None):
     """HWC uint8 RGB + its prediction → a PIL image (save it as PNG)."""
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw
 
     canvas = Image.fromarray(_overlay_masks(np.asarray(image), prediction.instances)).convert("RGB")
     draw = ImageDraw.Draw(canvas)
-    size = max(10, min(canvas.size) // 40)
-    try:
-        font = ImageFont.load_default(size=size)
-    except TypeError:  # Pillow < 10.1 has one bitmap size
-        font = ImageFont.load_default()
+    face = font(max(11, min(canvas.size) // 40))
     width = max(1, min(canvas.size) // 300)
+    anchors, sizes, labels = [], [], []
     for i, inst in enumerate(prediction.instances):
         colour = _colour(i)
         shapes = _outlines(inst)
         for points, closed in shapes:
-            if len(points) >= 2:
-                draw.line(points + (points[:1] if closed else []), fill=colour, width=width)
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            if max(xs) - min(xs) < 2 and max(ys) - min(ys) < 2:  # points (nearly) coincide: a visible marker
+                r = width + 2
+                draw.rectangle((min(xs) - r, min(ys) - r, max(xs) + r, max(ys) + r), outline=colour, width=width)
+            elif len(points) >= 2:
+                draw.line(points + (points[:1] if closed else []), fill=colour, width=width, joint="curve")
         for x, y, *_ in inst.keypoints or []:
             draw.ellipse((x - width - 1, y - width - 1, x + width + 1, y + width + 1), fill=colour)
-        label = _label(inst, show_scores)
-        anchor = [p for points, _ in shapes for p in points]
-        if label and anchor:
-            x, y = min(p[0] for p in anchor), min(p[1] for p in anchor)
-            box = draw.textbbox((x, y), label, font=font, anchor="lb")
-            draw.rectangle(box, fill=colour)
-            draw.text((x, y), label, fill=(0, 0, 0), font=font, anchor="lb")
+        label = displayable(_label(inst, show_scores), face)
+        points = [p for pts, _ in shapes for p in pts]
+        if label and points:
+            left, top, right, bottom = draw.textbbox((0, 0), label, font=face)
+            anchors.append((min(p[0] for p in points), min(p[1] for p in points),
+                            max(p[0] for p in points), max(p[1] for p in points)))
+            sizes.append((right - left + 4, bottom - top + 4))
+            labels.append((label, colour, left, top))
+    for (x0, y0, x1, y1), (label, colour, left, top) in zip(place_labels(anchors, sizes, *canvas.size), labels):
+        draw.rectangle((x0, y0, x1 - 1, y1 - 1), fill=colour)
+        draw.text((x0 + 2 - left, y0 + 2 - top), label, fill=(0, 0, 0), font=face)
+    if title:
+        _title(draw, canvas.size, title)
     return canvas
+
+
+def _title(draw, size: tuple[int, int], text: str) -> None:
+    face = font(max(12, min(size) // 30))
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=face)
+    draw.rectangle((0, 0, right - left + 8, bottom - top + 8), fill=(0, 0, 0))
+    draw.text((4 - left, 4 - top), text, fill=(255, 255, 255), font=face)
+
+
+def side_by_side(pictures: Sequence, gap: int = 8):
+    """PIL pictures of equal height next to each other on a white background (e.g. PyTorch | ONNX)."""
+    from PIL import Image
+
+    width = sum(p.width for p in pictures) + gap * (len(pictures) - 1)
+    out = Image.new("RGB", (width, max(p.height for p in pictures)), (255, 255, 255))
+    x = 0
+    for p in pictures:
+        out.paste(p, (x, 0))
+        x += p.width + gap
+    return out

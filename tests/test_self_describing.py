@@ -1,0 +1,115 @@
+"""export.fp16, verified with its own tolerances; models that carry their manifest
+in metadata_props (a lone model.onnx serves); manifests validated against the schema when read."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto
+
+from d2export.exporting.verify import top_k_agreement
+from d2export.imaging import synthetic_image
+from d2export.manifest import METADATA_KEY, Manifest, manifest_path
+from d2export.runtime import Predictor
+
+
+@pytest.fixture(scope="module")
+def fp16_export(tmp_path_factory):
+    from d2export import pipeline
+    from d2export.config import load
+
+    out = tmp_path_factory.mktemp("fp16")
+    cfg = load("textdet_tiny", [f"export.output_dir={out}", "export.fp16=true", "export.keep_io_types=false",
+                                "export.lint=false", "verify.sizes=[[160,224],[200,136]]", "verify.batch=false"])
+    manifest = pipeline.export(cfg)
+    return manifest, out / manifest.model_file
+
+
+def test_fp16_export_is_float16_verified_and_recorded(fp16_export):
+    manifest, path = fp16_export
+    model = onnx.load(str(path))
+    weights = [t for t in model.graph.initializer if len(t.dims) >= 2]
+    assert sum(t.data_type == TensorProto.FLOAT16 for t in weights) > 0.9 * len(weights)
+    # keep_io_types=false: float outputs are float16 in the graph
+    assert TensorProto.FLOAT16 in {o.type.tensor_type.elem_type for o in model.graph.output}
+    assert any(n.op_type == "Softmax" for n in model.graph.node)
+    producers = {o: n for n in model.graph.node for o in n.output}
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    for n in model.graph.node:
+        if n.op_type == "Softmax":  # Softmax computes in float32
+            assert types.get(n.input[0]) == TensorProto.FLOAT or producers[n.input[0]].op_type == "Cast"
+    assert manifest.precision == "float16"
+    v = manifest.verification["fp16"]
+    assert v["passed"] and v["top_k_agreement"] >= v["min_top_k_agreement"] and v["cases"]
+    assert manifest.verification["passed"]  # the float32 graph was verified first, at float32's tolerance
+    assert Manifest.read(manifest_path(path)).precision == "float16"
+
+
+def test_predictor_serves_fp16_like_the_float32_graph(fp16_export, tiny_export):
+    _, half_path = fp16_export
+    full, half = Predictor(tiny_export[2], threads=1), Predictor(half_path, threads=1)
+    rng = np.random.default_rng(3)
+    for h, w in [(150, 230), (260, 140)]:
+        image = synthetic_image(h, w, seed=int(rng.integers(1000))).transpose(1, 2, 0)
+        a, b = full.predict(image, score_threshold=0.0), half.predict(image, score_threshold=0.0)
+        assert len(a.instances) == len(b.instances) > 0
+        sa = np.array([i.score for i in a.instances])
+        sb = np.array([i.score for i in b.instances])
+        assert np.abs(np.sort(sa) - np.sort(sb)).max() < 0.05
+
+
+def test_top_k_agreement_counts_shared_detections():
+    e = np.array([[0.9, 0.8, 0.1, 0.05], [0.1, 0.2, 0.3, 0.4]])
+    assert top_k_agreement(e, e, 2) == 1.0
+    swapped = np.array([[0.8, 0.9, 0.1, 0.05], [0.1, 0.2, 0.4, 0.3]])  # order within the top-2 changes: agreed
+    assert top_k_agreement(e, swapped, 2) == 1.0
+    lost = np.array([[0.9, 0.0, 0.85, 0.05], [0.1, 0.2, 0.3, 0.4]])  # one of row 0's top-2 replaced
+    assert top_k_agreement(e, lost, 2) == 0.5
+
+
+def test_a_lone_model_serves_from_its_metadata(tiny_export, tmp_path):
+    _, manifest, path = tiny_export
+    props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    embedded = json.loads(props[METADATA_KEY])
+    assert embedded["family"] == manifest.family == props["d2export.family"]
+    assert embedded["preprocess"] == manifest.preprocess and embedded["postprocess"] == manifest.postprocess
+    assert "charset" in json.dumps(embedded["postprocess"]) or embedded["postprocess"]
+    assert embedded["schema_version"] == manifest.schema_version and embedded["versions"]["d2export"]
+    lone = tmp_path / "alone.onnx"
+    shutil.copy(path, lone)
+    assert not manifest_path(lone).exists()
+    served, reference = Predictor(lone, threads=1), Predictor(path, threads=1)
+    assert served.manifest.family == manifest.family
+    assert [t.name for t in served.manifest.outputs] == [t.name for t in manifest.outputs]
+    assert served.min_size == reference.min_size and served.post == reference.post
+    image = synthetic_image(170, 240, seed=5).transpose(1, 2, 0)
+    assert served.predict(image).to_dict() == reference.predict(image).to_dict()
+
+
+def test_a_model_without_metadata_or_manifest_is_one_line(tmp_path):
+    model = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])], "g",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]), opset_imports=[onnx.helper.make_opsetid("", 17)])
+    onnx.save(model, str(tmp_path / "plain.onnx"))
+    with pytest.raises(ValueError, match="no manifest beside it"):
+        Predictor(tmp_path / "plain.onnx")
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda d: d.pop("family"), "family"),
+    (lambda d: d.update(opset="seventeen"), "opset"),
+    (lambda d: d["inputs"][0].update(shape="NCHW"), "inputs.0.shape"),
+    (lambda d: d.update(preprocess=[1, 2]), "preprocess"),
+])
+def test_manifest_is_validated_when_read(tiny_export, tmp_path, edit, says):
+    d = json.loads(manifest_path(tiny_export[2]).read_text())
+    edit(d)
+    bad = tmp_path / "bad.manifest.json"
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=f"manifest does not match its schema: {says}"):
+        Manifest.read(bad)
