@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-from d2export.exporting.verify import top_k_agreement
+from d2export.exporting.verify import match_slots, top_k_agreement
 from d2export.imaging import synthetic_image
 from d2export.manifest import METADATA_KEY, Manifest, manifest_path
 from d2export.runtime import Predictor
@@ -69,6 +69,23 @@ def test_top_k_agreement_counts_shared_detections():
     assert top_k_agreement(e, swapped, 2) == 1.0
     lost = np.array([[0.9, 0.0, 0.85, 0.05], [0.1, 0.2, 0.3, 0.4]])  # one of row 0's top-2 replaced
     assert top_k_agreement(e, lost, 2) == 0.5
+
+
+def test_slots_are_matched_by_content_not_position():
+    rng = np.random.default_rng(0)
+    n, k = 2, 6
+    expected = {"scores": rng.uniform(0.4, 0.6, (n, k)).astype(np.float32),
+                "boxes": rng.uniform(0, 300, (n, k, 4)).astype(np.float32),
+                "ids": rng.integers(0, 9, (n, k, 3))}
+    perm = np.stack([rng.permutation(k) for _ in range(n)])  # actual slot j holds expected slot perm[j]
+    noise = lambda x: x + rng.normal(0, 1e-3, x.shape).astype(x.dtype) if x.dtype.kind == "f" else x  # noqa: E731
+    actual = {name: noise(np.take_along_axis(v, perm.reshape(perm.shape + (1,) * (v.ndim - 2)), axis=1))
+              for name, v in expected.items()}
+    order = match_slots(expected, actual, "scores")
+    for row in range(n):  # expected slot i is found where the permutation put it
+        assert [int(perm[row, order[row, i]]) for i in range(k)] == list(range(k))
+    assert top_k_agreement(expected["scores"], actual["scores"], 3, order) == 1.0
+    assert top_k_agreement(expected["scores"], actual["scores"], k) == 1.0  # all k: any order agrees
 
 
 def test_a_lone_model_serves_from_its_metadata(tiny_export, tmp_path):

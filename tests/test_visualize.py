@@ -73,3 +73,8 @@ def test_side_by_side_keeps_both_pictures():
     both = np.asarray(side_by_side([a, b], gap=4))
     assert both.shape == (20, 74, 3)
     assert (both[:, :30] == (255, 0, 0)).all() and (both[:, 34:] == (0, 0, 255)).all()
+
+
+def test_labels_avoid_the_title():
+    boxes = place_labels([(0, 0, 20, 10)] * 3, [(40, 12)] * 3, 200, 100, avoid=[(0, 0, 60, 20)])
+    assert len(boxes) == 3 and all(_overlap(b, (0, 0, 60, 20)) == 0 for b in boxes)

@@ -101,34 +101,66 @@ def check(results: Sequence[Comparison]) -> None:
         raise VerificationError("onnxruntime disagrees with eager PyTorch:\n" + format_table(failed))
 
 
-def top_k_agreement(expected: np.ndarray, actual: np.ndarray, k: int) -> float:
+def match_slots(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], score_output: str) -> np.ndarray:
+    """For each batch row, the actual detection slot that holds each expected slot's detection ([N, K] indices).
+    Outputs are [N, K, …] per detection, sorted by score; reduced precision reorders near-equal scores, so slots are
+    matched by content (greedily, nearest first over every float output of that layout) rather than by position."""
+    e_scores = expected[score_output]
+    n, k = e_scores.shape[:2]
+    per_slot = [name for name, e in expected.items()
+                if e.dtype.kind == "f" and e.ndim >= 2 and e.shape[:2] == (n, k) and actual[name].shape == e.shape]
+    order = np.zeros((n, k), dtype=np.int64)
+    for row in range(n):
+        cost = np.zeros((k, k))
+        for name in per_slot:
+            e = expected[name][row].reshape(k, -1).astype(np.float64)
+            a = actual[name][row].reshape(k, -1).astype(np.float64)
+            scale = np.abs(e).mean() + 1e-6
+            cost += np.abs(e[:, None, :] - a[None, :, :]).mean(-1) / scale
+        taken_e, taken_a = set(), set()
+        for flat in np.argsort(cost, axis=None, kind="stable"):
+            i, j = divmod(int(flat), k)
+            if i not in taken_e and j not in taken_a:
+                order[row, i] = j
+                taken_e.add(i)
+                taken_a.add(j)
+    return order
+
+
+def top_k_agreement(expected: np.ndarray, actual: np.ndarray, k: int, order: np.ndarray | None = None) -> float:
     """The least fraction, over a batch's rows, of the expected top-`k` detections (by score, last axis) that are also
-    the actual top-`k`: reduced precision may reorder near-equal scores, but should not change what is found."""
+    in the actual top-`k`; `order` (from `match_slots`) says which actual slot holds each expected detection."""
     e, a = np.asarray(expected, np.float64), np.asarray(actual, np.float64)
     e, a = e.reshape(-1, e.shape[-1]), a.reshape(-1, a.shape[-1])
+    order = np.tile(np.arange(e.shape[-1]), (len(e), 1)) if order is None else order.reshape(len(e), -1)
     k = min(k, e.shape[-1])
     if k == 0:
         return 1.0
-    top = lambda x: np.argsort(-x, axis=-1, kind="stable")[:, :k]  # noqa: E731
-    return float(min(len(set(r) & set(q)) / k for r, q in zip(top(e), top(a))))
+    top = lambda x: np.argsort(-x, kind="stable")[:k]  # noqa: E731
+    return float(min(len({int(o[i]) for i in top(r)} & set(top(q).tolist())) / k for r, q, o in zip(e, a, order)))
 
 
 def run_reduced_precision(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
                           max_mismatch: float, score_output: str, top_k: int, min_agreement: float) -> dict:
-    """A reduced-precision graph against eager float32: every output may have a fraction `max_mismatch` of elements
-    outside its (looser) tolerance, and the top-`top_k` by `score_output` must mostly be the same detections."""
+    """A reduced-precision graph against eager float32. Detections are matched by content first (`match_slots`);
+    then every output may have a fraction `max_mismatch` of elements outside its (looser) tolerance, and the
+    top-`top_k` detections by `score_output` must mostly be the same ones."""
     from d2export.progress import steps
 
     results, agreements = [], []
     for case in steps(cases, "verifying float16"):
         actual = dict(zip(output_names, session.run(list(output_names), case.inputs)))
-        for name, e in zip(output_names, case.expected):
-            d = difference(e, actual[name], atol, rtol)
+        expected = dict(zip(output_names, case.expected))
+        order = match_slots(expected, actual, score_output) if score_output in actual else None
+        for name, e in expected.items():
+            a = actual[name]
+            if order is not None and a.ndim >= 2 and a.shape[:2] == order.shape:
+                a = np.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 2)), axis=1)
+            d = difference(e, a, atol, rtol)
             results.append(Comparison(case.name, name, list(np.shape(e)), d.max_abs, d.max_rel, d.mismatch,
-                                      np.shape(e) == np.shape(actual[name]) and d.mismatch <= max_mismatch))
-        if score_output in actual:
-            agreements.append(top_k_agreement(case.expected[list(output_names).index(score_output)],
-                                              actual[score_output], top_k))
+                                      np.shape(e) == np.shape(a) and d.mismatch <= max_mismatch))
+        if order is not None:
+            agreements.append(top_k_agreement(expected[score_output], actual[score_output], top_k, order))
     agreement = min(agreements, default=1.0)
     return summarise(results) | {"atol": atol, "rtol": rtol, "max_mismatch": max_mismatch, "top_k": top_k,
                                  "top_k_agreement": agreement, "min_top_k_agreement": min_agreement,

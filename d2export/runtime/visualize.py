@@ -112,11 +112,12 @@ def _overlap(a: Box, b: Box) -> float:
     return max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
 
 
-def place_labels(anchors: Sequence[Box], sizes: Sequence[tuple[float, float]], width: int, height: int) -> list[Box]:
+def place_labels(anchors: Sequence[Box], sizes: Sequence[tuple[float, float]], width: int, height: int,
+                 avoid: Sequence[Box] = ()) -> list[Box]:
     """A box for each label (w, h) near its shape's bounding box `anchors[i]`: above it, below it, inside its top or
     bottom, then stacked further away, each at the shape's left or right; always inside the picture, and the first
-    that overlaps no label placed before it (else the one that overlaps least)."""
-    placed: list[Box] = []
+    that overlaps no label placed before it nor a box in `avoid` (else the one that overlaps least)."""
+    placed: list[Box] = list(avoid)
     for (x0, y0, x1, y1), (w, h) in zip(anchors, sizes):
         w, h = min(w, width), min(h, height)
         rows = [y0 - h, y1, y0, y1 - h] + [y for k in range(1, 8) for y in (y0 - h - k * h, y1 + k * h)]
@@ -131,7 +132,7 @@ def place_labels(anchors: Sequence[Box], sizes: Sequence[tuple[float, float]], w
             if cost == 0:
                 break
         placed.append(best)
-    return placed
+    return placed[len(avoid):]
 
 
 def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool = True, title: str | None = None):
@@ -142,6 +143,7 @@ def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool
     draw = ImageDraw.Draw(canvas)
     face = font(max(11, min(canvas.size) // 40))
     width = max(1, min(canvas.size) // 300)
+    title_box = _title(draw, canvas.size, title) if title else None
     anchors, sizes, labels = [], [], []
     for i, inst in enumerate(prediction.instances):
         colour = _colour(i)
@@ -163,19 +165,23 @@ def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool
                             max(p[0] for p in points), max(p[1] for p in points)))
             sizes.append((right - left + 4, bottom - top + 4))
             labels.append((label, colour, left, top))
-    for (x0, y0, x1, y1), (label, colour, left, top) in zip(place_labels(anchors, sizes, *canvas.size), labels):
+    boxes = place_labels(anchors, sizes, *canvas.size, avoid=[title_box] if title_box else [])
+    for (x0, y0, x1, y1), (label, colour, left, top) in zip(boxes, labels):
         draw.rectangle((x0, y0, x1 - 1, y1 - 1), fill=colour)
         draw.text((x0 + 2 - left, y0 + 2 - top), label, fill=(0, 0, 0), font=face)
     if title:
-        _title(draw, canvas.size, title)
+        _title(draw, canvas.size, title)  # on top, in case a label had nowhere else to go
     return canvas
 
 
-def _title(draw, size: tuple[int, int], text: str) -> None:
+def _title(draw, size: tuple[int, int], text: str) -> Box:
+    """A title at the top-left corner; returns its box."""
     face = font(max(12, min(size) // 30))
     left, top, right, bottom = draw.textbbox((0, 0), text, font=face)
-    draw.rectangle((0, 0, right - left + 8, bottom - top + 8), fill=(0, 0, 0))
+    box = (0, 0, right - left + 8, bottom - top + 8)
+    draw.rectangle(box, fill=(0, 0, 0))
     draw.text((4 - left, 4 - top), text, fill=(255, 255, 255), font=face)
+    return box
 
 
 def side_by_side(pictures: Sequence, gap: int = 8):
