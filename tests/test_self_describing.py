@@ -99,7 +99,7 @@ def test_a_lone_model_serves_from_its_metadata(tiny_export, tmp_path):
     lone = tmp_path / "alone.onnx"
     shutil.copy(path, lone)
     assert not manifest_path(lone).exists()
-    served, reference = Predictor(lone, threads=1), Predictor(path, threads=1)
+    served, reference = Predictor(lone, threads=1, embedded_manifest=True), Predictor(path, threads=1)
     assert served.manifest.family == manifest.family
     assert [t.name for t in served.manifest.outputs] == [t.name for t in manifest.outputs]
     assert served.min_size == reference.min_size and served.post == reference.post
@@ -114,7 +114,7 @@ def test_a_model_without_metadata_or_manifest_is_one_line(tmp_path):
         [onnx.helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]), opset_imports=[onnx.helper.make_opsetid("", 17)])
     onnx.save(model, str(tmp_path / "plain.onnx"))
     with pytest.raises(ValueError, match="no manifest beside it"):
-        Predictor(tmp_path / "plain.onnx")
+        Predictor(tmp_path / "plain.onnx", embedded_manifest=True)
 
 
 @pytest.mark.parametrize("edit, says", [
