@@ -13,6 +13,7 @@ from torch import nn
 
 from d2export.exporting import ladder
 from d2export.exporting.ladder import compare, default_rungs, flatten_tensors, module_of_node, run_ladder
+from d2export.imaging import pad_batch
 from d2export.tracing import dummy_images
 
 SETTINGS = SimpleNamespace(exporter="torchscript", opset=17, dynamic=True)
@@ -59,6 +60,10 @@ class Toy(nn.Module):
         self.stem = nn.Conv2d(3, 8, 3, padding=1)
         self.down = nn.ModuleList([nn.Conv2d(8, 8, 3, stride=2, padding=1) for _ in range(2)])
         self.head = nn.Sequential(nn.Conv2d(8, 4, 1), nn.ReLU())
+
+    def graph_inputs(self, images):
+        batch, sizes = pad_batch(images)
+        return {"images": batch, "image_sizes": sizes}
 
     def forward(self, images, image_sizes):
         x = self.stem(images.float() / 255)
