@@ -40,19 +40,29 @@ def exported(config: str, out: Path) -> Path:
     return out / manifest.model_file
 
 
+class Rejected(Exception):
+    """The server answered 503 (its queue is full or a request waited past its timeout): counted, not timed."""
+
+
 def timed(call: Callable[[], None], requests: int, clients: int) -> dict:
-    def one(_: int) -> float:
+    def one(_: int) -> float | None:
         t = time.perf_counter()
-        call()
+        try:
+            call()
+        except Rejected:
+            return None
         return time.perf_counter() - t
 
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        latencies = sorted(pool.map(one, range(requests)))
+        answered = list(pool.map(one, range(requests)))
     wall = time.perf_counter() - started
+    latencies = sorted(t for t in answered if t is not None)
+    if len(latencies) < 2:
+        raise SystemExit(f"only {len(latencies)} of {requests} requests answered: the rest were rejected (503)")
     q = statistics.quantiles(latencies, n=20, method="inclusive")
     return {"p50": statistics.median(latencies) * 1e3, "p95": q[18] * 1e3, "mean": statistics.fmean(latencies) * 1e3,
-            "rps": requests / wall}
+            "rps": len(latencies) / wall, "rejected": requests - len(latencies)}
 
 
 def memory_mb(pid: int) -> dict:
@@ -135,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not hasattr(local, "client"):
                     local.client = httpx.Client(base_url=url, timeout=600)
                 r = local.client.post("/predict", content=png, headers={"content-type": "image/png"})
+                if r.status_code == 503:
+                    raise Rejected
                 r.raise_for_status()
 
             sizes = [f"--min-size {args.min_size}"] * bool(args.min_size) + [f"--max-size {args.max_size}"] * bool(
@@ -164,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             with serving(app) as url, httpx.Client(base_url=url, timeout=600) as client:
                 def call() -> None:
                     r = client.post("/predict", content=png, headers={"content-type": "image/png"})
+                    if r.status_code == 503:
+                        raise Rejected
                     r.raise_for_status()
 
                 for _ in range(args.warmup):
@@ -176,12 +190,12 @@ def main(argv: list[str] | None = None) -> int:
                     rows[mode]["batches"] = " ".join(f"{k}x{n}" for k, n in sorted(sizes.items()))
 
     base = rows.get("direct")
-    print(f"{'mode':<12} {'p50 ms':>9} {'p95 ms':>9} {'mean ms':>9} {'req/s':>8} {'p50 vs direct':>14}  "
+    print(f"{'mode':<12} {'p50 ms':>9} {'p95 ms':>9} {'mean ms':>9} {'req/s':>8} {'503s':>5} {'p50 vs direct':>14}  "
           f"{'memory' if args.process else 'batches'}")
     for mode, r in rows.items():
         ratio = f"{r['p50'] / base['p50']:.2f}x" if base else "-"
-        print(f"{mode:<12} {r['p50']:>9.1f} {r['p95']:>9.1f} {r['mean']:>9.1f} {r['rps']:>8.2f} {ratio:>14}  "
-              f"{r.get('batches', '')}")
+        print(f"{mode:<12} {r['p50']:>9.1f} {r['p95']:>9.1f} {r['mean']:>9.1f} {r['rps']:>8.2f} {r['rejected']:>5} "
+              f"{ratio:>14}  {r.get('batches', '')}")
     return 0
 
 

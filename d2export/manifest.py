@@ -108,10 +108,14 @@ def graph_specs(values) -> list[TensorSpec]:
 
 def embed_manifest(model_path: str | os.PathLike, manifest: Manifest) -> None:
     """Write the manifest's essentials (family, pre/post-processing with the charset, precision, schema and export
-    versions) into the ONNX file's metadata_props, plus a few keys readable at a glance (Netron, onnx.load)."""
+    versions) into the ONNX file's metadata_props, plus a few keys readable at a glance (Netron, onnx.load), and
+    what each input and output holds as its doc_string."""
     import onnx
 
     model = onnx.load(str(model_path), load_external_data=False)
+    docs = {t.name: t.doc for t in manifest.inputs + manifest.outputs if t.doc}
+    for value in list(model.graph.input) + list(model.graph.output):
+        value.doc_string = docs.get(value.name, value.doc_string)
     essentials = {k: v for k, v in manifest.to_dict().items()
                   if k not in ("patches", "verification", "sha256", "export_seconds", "inputs", "outputs")}
     essentials["opset"] = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))

@@ -231,7 +231,8 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
         log.warning("asked for opset %d, the exporter wrote opset %d", e.opset, opset)
     manifest = Manifest(
         model_file=name, family=built.family.name,
-        inputs=graph_specs(graph.input), outputs=graph_specs(graph.output),
+        inputs=_documented(graph_specs(graph.input), built.family.input_docs),
+        outputs=_documented(graph_specs(graph.output), built.family.output_docs),
         opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
         precision="float16" if e.fp16 else "float32",
         preprocess=built.family.preprocess(built.d2cfg), postprocess=built.family.postprocess(built.d2cfg),
@@ -241,6 +242,10 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
     )
     embed_manifest(model, manifest)  # the essentials also inside the model, before its hash is taken
     return dataclasses.replace(manifest, sha256=sha256_file(model))
+
+
+def _documented(specs: list, docs: dict[str, str]) -> list:
+    return [dataclasses.replace(s, doc=s.doc or docs.get(s.name, "")) for s in specs]
 
 
 def _step(i: int, what: str, detail: str = "") -> None:
@@ -273,7 +278,7 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
     options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
     session = ort.InferenceSession(str(path), options, providers=list(cfg.verify.providers))
     results = verify_mod.run_cases(session, output_names, cases, cfg.verify.atol, cfg.verify.rtol,
-                                   cfg.verify.max_mismatch)
+                                   cfg.verify.max_mismatch, built.family.sorted_by)
     log.info("verification:\n%s", verify_mod.format_table(results))
     summary = verify_mod.summarise(results) | {"atol": cfg.verify.atol, "rtol": cfg.verify.rtol}
     if cfg.verify.ladder or not summary["passed"]:

@@ -73,3 +73,11 @@ def random_msda_inputs(shapes, n=2, lq=7, heads=2, dim=4, points=3, lo=-0.1, hi=
     loc = lo + (hi - lo) * torch.rand(n, lq, heads, levels, points, 2, generator=gen, dtype=dtype)
     attn = torch.rand(n, lq, heads, levels * points, generator=gen, dtype=dtype).softmax(-1)
     return value, spatial_shapes, level_start_index, loc, attn.view(n, lq, heads, levels, points)
+
+
+def edge_locations(h: int, w: int) -> torch.Tensor:
+    """[1, Q, 1, 1, 1, 2] locations on an h×w level's pixel centres and edges, exactly on and beyond its border, and
+    far outside."""
+    xs = torch.tensor([k / (2 * w) for k in range(-3, 2 * w + 4)] + [-5.0, 7.0, 1e6])
+    ys = torch.tensor([k / (2 * h) for k in range(-3, 2 * h + 4)] + [-1e6, 3.0, 0.5])
+    return torch.stack(torch.meshgrid(xs, ys, indexing="ij"), -1).reshape(1, -1, 1, 1, 1, 2)

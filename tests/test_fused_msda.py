@@ -17,7 +17,7 @@ from d2export.manifest import Manifest, TensorSpec, manifest_path
 from d2export.ops.msda import QUERY_CHUNKS, multi_scale_deformable_attention
 from d2export.runtime import custom_ops
 from d2export.runtime.msda_kernel import msda as fused_kernel
-from msda_reference import msda_reference, random_msda_inputs
+from msda_reference import edge_locations, msda_reference, random_msda_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
@@ -81,9 +81,7 @@ def test_fused_graph_is_one_node_and_matches_float64_reference():
 
 def test_fused_kernel_at_pixel_edges_and_far_outside():
     h, w = 3, 4
-    xs = torch.tensor([k / (2 * w) for k in range(-3, 2 * w + 4)] + [-5.0, 7.0, 1e6])
-    ys = torch.tensor([k / (2 * h) for k in range(-3, 2 * h + 4)] + [-1e6, 3.0, 0.5])
-    grid = torch.stack(torch.meshgrid(xs, ys, indexing="ij"), -1).reshape(1, -1, 1, 1, 1, 2)
+    grid = edge_locations(h, w)
     value, shapes, starts, _, _ = random_msda_inputs([(h, w)], n=1, heads=1, dim=3, points=1)
     attn = torch.rand(1, grid.shape[1], 1, 1, 1)
     args = (value, shapes, starts, grid, attn)

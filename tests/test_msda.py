@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from d2export.ops.msda import SAMPLERS, multi_scale_deformable_attention, resolve_sampler, use_sampler
-from msda_reference import msda_reference, random_msda_inputs
+from msda_reference import edge_locations, msda_reference, random_msda_inputs
 
 torch.set_num_threads(1)
 
@@ -51,9 +51,7 @@ def test_float64_is_exact(sampler):
 def test_pixel_edges_and_far_outside(sampler):
     """Locations on pixel centres and edges, exactly on and beyond the image border, and far outside."""
     h, w = 3, 4
-    xs = torch.tensor([k / (2 * w) for k in range(-3, 2 * w + 4)] + [-5.0, 7.0, 1e6])
-    ys = torch.tensor([k / (2 * h) for k in range(-3, 2 * h + 4)] + [-1e6, 3.0, 0.5])
-    grid = torch.stack(torch.meshgrid(xs, ys, indexing="ij"), -1).reshape(1, -1, 1, 1, 1, 2)
+    grid = edge_locations(h, w)
     value, shapes, starts, _, _ = random_msda_inputs([(h, w)], n=1, heads=1, dim=3, points=1)
     attn = torch.ones(1, grid.shape[1], 1, 1, 1)
     args = (value, shapes, starts, grid, attn)

@@ -127,7 +127,7 @@ def test_jsonl_from_the_command_line(tiny_export, corpus, local_ray, tmp_path, c
 
 def test_decoding_runs_in_tasks_apart_from_the_sessions(tiny_export, local_ray, capsys):
     """Ray fuses consecutive maps of equal resources: decoding must stay a task stage of its own."""
-    processing = batch.Processing(batch.Manifest.read(batch.manifest_path(tiny_export[2])))
+    processing = batch.Processing(batch.load_manifest(tiny_export[2]))
     session = {"providers": ["cpu"], "threads": 1, "score_threshold": None, "min_size": None, "max_size": None}
     ds = batch.dataset(["x.jpg"], None, processing, actors=1, batch_size=2, session=session)
     ds.explain()

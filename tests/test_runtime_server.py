@@ -117,17 +117,21 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(client):
 
 
 def test_batching_joins_concurrent_requests(predictor):
-    """Four clients at once into a server that waits up to 0.5 s for company: fewer session runs than requests,
-    and every answer the picture's own (each has its own size)."""
-    pictures = [encoded(100 + 20 * i, 180 - 10 * i, seed=10 + i) for i in range(4)]
-    app = create_app(predictor, max_batch=4, batch_timeout_ms=500)
+    """Six clients at once into a server that waits up to 0.5 s for company: fewer session runs than requests, only
+    pictures of one size share a run, and every answer is the one the picture gets alone (padding a picture for a
+    batch-mate of another size would change it)."""
+    sizes = [(100, 180), (140, 120), (100, 180), (140, 120), (100, 180), (140, 120)]
+    pictures = [encoded(h, w, seed=10 + i) for i, (h, w) in enumerate(sizes)]
+    app = create_app(predictor, max_batch=6, batch_timeout_ms=500)
     with serving(app) as url, httpx.Client(base_url=url, timeout=30) as c:
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(len(pictures)) as pool:
             responses = list(pool.map(lambda p: c.post("/predict", content=p[1]), pictures))
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
         for (image, _), r in zip(pictures, responses):
-            assert (r.json()["height"], r.json()["width"]) == image.shape[:2] and r.json()["instances"]
-        assert sum(app.state.batcher.batch_sizes.values()) < len(pictures)
-        assert sum(k * n for k, n in app.state.batcher.batch_sizes.items()) == len(pictures)
+            assert (r.json()["height"], r.json()["width"]) == image.shape[:2]
+            instances_close(r.json()["instances"], predictor.predict(image))
+        runs = app.state.batcher.batch_sizes
+        assert sum(runs.values()) < len(pictures) and max(runs) <= 3  # joined, never across sizes
+        assert sum(k * n for k, n in runs.items()) == len(pictures)
         assert c.post("/predict", content=b"junk").status_code == 400  # a bad picture never reaches the batch
         assert c.post("/predict", content=pictures[0][1]).status_code == 200

@@ -101,10 +101,30 @@ def test_a_lone_model_serves_from_its_metadata(tiny_export, tmp_path):
     assert not manifest_path(lone).exists()
     served, reference = Predictor(lone, threads=1, embedded_manifest=True), Predictor(path, threads=1)
     assert served.manifest.family == manifest.family
-    assert [t.name for t in served.manifest.outputs] == [t.name for t in manifest.outputs]
+    assert served.manifest.outputs == manifest.outputs and served.manifest.inputs == manifest.inputs
+    docs = {t.name: t.doc for t in served.manifest.inputs + served.manifest.outputs}
+    assert all(docs.values()), docs  # every input and output says what it holds, inside the model too
+    assert "pixels" in docs["ctrl_points"] and "charset" in docs["char_ids"] and "padding" in docs["image_sizes"]
     assert served.min_size == reference.min_size and served.post == reference.post
     image = synthetic_image(170, 240, seed=5).transpose(1, 2, 0)
     assert served.predict(image).to_dict() == reference.predict(image).to_dict()
+
+
+def test_infer_serves_a_lone_model_when_asked(tiny_export, tmp_path, capsys):
+    from PIL import Image
+
+    from d2export.cli import main
+
+    lone, picture = tmp_path / "alone.onnx", tmp_path / "one.png"
+    shutil.copy(tiny_export[2], lone)
+    Image.fromarray(synthetic_image(100, 140, seed=5).transpose(1, 2, 0)).save(picture)
+    assert main(["infer", str(lone), str(picture), "--threads", "1"]) == 2  # refused: an interrupted export's leftover
+    assert "manifest" in capsys.readouterr().err
+    assert main(["infer", str(tiny_export[2]), str(picture), "--threads", "1", "--score-threshold", "0"]) == 0
+    beside = json.loads(capsys.readouterr().out)["instances"]
+    assert main(["infer", str(lone), str(picture), "--threads", "1", "--score-threshold", "0",
+                 "--embedded-manifest"]) == 0
+    assert json.loads(capsys.readouterr().out)["instances"] == beside and beside
 
 
 def test_a_model_without_metadata_or_manifest_is_one_line(tmp_path):

@@ -79,7 +79,7 @@ def test_zoo_model_exports_and_verifies_at_a_size_and_its_transpose(exported):
     assert manifest.family == family
     assert [t.name for t in manifest.inputs] == ["images", "image_sizes"]
     assert manifest.inputs[0].shape == [1, 3, "height", "width"]  # batch fixed: detectron2 unrolls it
-    assert [t.name for t in manifest.outputs] == outputs
+    assert [t.name for t in manifest.outputs] == outputs and all(t.doc for t in manifest.outputs)
     assert manifest.outputs[0].shape == [1, "detections", 4]
     v = manifest.verification
     h, w = EXPORT_HW

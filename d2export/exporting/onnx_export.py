@@ -4,6 +4,7 @@ Nothing half-written is ever left at the destination: a failure anywhere removes
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -104,9 +105,23 @@ def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, op
                               do_constant_folding=True, **kwargs)
         else:
             shapes = _dynamic_shapes(args, input_names, dynamic_axes)
-            program = torch.onnx.export(module, args, dynamic_shapes=shapes, dynamo=True, optimize=True,
-                                        verbose=False, **kwargs)
+            with _quiet_loggers("onnxscript", "onnx_ir"):  # a line per rewrite and folded node at INFO
+                program = torch.onnx.export(module, args, dynamic_shapes=shapes, dynamo=True, optimize=True,
+                                            verbose=False, **kwargs)
             program.save(str(dst))
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str):
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(lg.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _pin_static_output_dims(model, module, args, dynamic_axes) -> bool:

@@ -68,15 +68,30 @@ def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol
 
 
 def run_cases(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
-              max_mismatch: float = 1e-3) -> list[Comparison]:
+              max_mismatch: float = 1e-3, sorted_by: str | None = None) -> list[Comparison]:
+    """Every case through the session, every output compared. `sorted_by`: the graph's outputs are detections sorted
+    by that output (descending), so slots whose values tie may come in either order: that output is compared slot by
+    slot as it is, the others after matching each expected detection to the actual slot that holds it."""
     from d2export.progress import steps
 
     results = []
     for case in steps(cases, "verifying"):
-        actual = session.run(list(output_names), case.inputs)
-        for name, e, a in zip(output_names, case.expected, actual):
+        actual = dict(zip(output_names, session.run(list(output_names), case.inputs)))
+        expected = dict(zip(output_names, case.expected))
+        order = None
+        if sorted_by in actual and actual[sorted_by].shape == expected[sorted_by].shape:
+            order = match_slots(expected, actual, sorted_by)
+        for name, e in expected.items():
+            a = actual[name] if name == sorted_by else reordered(actual[name], order)
             results.append(compare(case.name, name, e, a, atol, rtol, max_mismatch))
     return results
+
+
+def reordered(actual: np.ndarray, order: np.ndarray | None) -> np.ndarray:
+    """[N, K, …] per-slot output with its slots in the expected order (`order` from `match_slots`; None: as it is)."""
+    if order is None or actual.ndim < 2 or actual.shape[:2] != order.shape:
+        return actual
+    return np.take_along_axis(actual, order.reshape(order.shape + (1,) * (actual.ndim - 2)), axis=1)
 
 
 def summarise(results: Sequence[Comparison]) -> dict:
@@ -153,9 +168,7 @@ def run_reduced_precision(session, output_names: Sequence[str], cases: Sequence[
         expected = dict(zip(output_names, case.expected))
         order = match_slots(expected, actual, score_output) if score_output in actual else None
         for name, e in expected.items():
-            a = actual[name]
-            if order is not None and a.ndim >= 2 and a.shape[:2] == order.shape:
-                a = np.take_along_axis(a, order.reshape(order.shape + (1,) * (a.ndim - 2)), axis=1)
+            a = reordered(actual[name], order)
             d = difference(e, a, atol, rtol)
             results.append(Comparison(case.name, name, list(np.shape(e)), d.max_abs, d.max_rel, d.mismatch,
                                       np.shape(e) == np.shape(a) and d.mismatch <= max_mismatch))

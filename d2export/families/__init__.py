@@ -40,6 +40,13 @@ class Family:
     aliases: tuple[str, ...] = ()  # older names found in manifests
     summary: str = ""  # one line for help texts
     priority: int = 50  # `auto` tries families in ascending priority: specific ones before general ones
+    # graph input/output name → what it holds, written into the manifest and the model
+    input_docs: dict[str, str] = {
+        "images": "uint8 pixels [N, 3, H, W] in the manifest's input_format, resized as preprocess says, zero-padded",
+        "image_sizes": "int64 [N, 2]: each image's height and width before padding"}
+    output_docs: dict[str, str] = {}
+    # the output the detections are sorted by (descending), where they are: tied slots may swap in verification
+    sorted_by: str | None = None
 
     # export side (torch may be imported inside these) ------------------------------------------------------------
     def missing(self, model) -> str | None:

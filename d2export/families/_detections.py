@@ -16,6 +16,14 @@ from d2export.instances import Instance, encode_mask
 
 MASKS_DOC = ("per-box MxM probabilities; pasted in the runtime into the original picture as detectron2's "
              "paste_masks_in_image does (bilinear over the box, then >= mask_threshold), run-length encoded")
+OUTPUT_DOCS = {
+    "boxes": "detections' boxes x0, y0, x1, y1 in input-image pixels",
+    "scores": "their scores (every detection the model keeps; the threshold is applied on the host)",
+    "labels": "their class indices",
+    "masks": MASKS_DOC,
+    "keypoints": "keypoints (x, y, score) per detection, in input-image pixels",
+    "sem_seg": "semantic segmentation logits over the input image (stuff classes, then 'things' as 0)",
+}
 
 
 def detection_postprocess(cfg, score_threshold: float, num_classes: str = "roi_heads") -> dict[str, Any]:

@@ -17,7 +17,14 @@ import numpy as np
 from d2export.families import Family, find_child, lacks
 from d2export.instances import Instance
 
-SCORE_DOC = "instance confidence: sigmoid of the mean control-point logit, max over classes"
+OUTPUT_DOCS = {
+    "scores": "instance confidence: sigmoid of the mean control-point logit, max over classes",
+    "labels": "the class of that maximum",
+    "ctrl_points": "control points (x, y) in input-image pixels",
+    "bd_points": "boundary points (upper x, y, lower x, y) in input-image pixels",
+    "char_ids": "best character per text slot (ids at or past the charset's length: no character)",
+    "char_scores": "that character's probability",
+}
 
 
 def scores_labels(pred_logits):
@@ -98,6 +105,7 @@ class TextSpotter(Family):
     subclasses say how the head's outputs decode (`adapter`) and the manifest's `postprocess`."""
     head: tuple[str, ...] = ()
     priority = 20
+    output_docs = OUTPUT_DOCS
 
     def missing(self, model):
         return lacks(model, self.head)

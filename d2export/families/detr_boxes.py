@@ -23,6 +23,9 @@ from d2export.instances import Instance
 DETECTOR = ("backbone", "neck", "position_embedding", "transformer", "class_embed", "bbox_embed",
             "select_box_nums_for_evaluation", "preprocess_image", "inference")
 OUTPUTS = ("boxes", "scores", "labels")
+OUTPUT_DOCS = {"boxes": "x0, y0, x1, y1 in input-image pixels",
+               "scores": "sigmoid class probabilities, the model's own top K over queries x classes, descending",
+               "labels": "their class indices"}
 SCORE_THRESHOLD = 0.5  # detrex's demo default; the graph itself keeps all K
 
 
@@ -30,6 +33,8 @@ class DetrBoxes(Family):
     name = "detr_boxes"
     summary = "detrex DETR box detectors (Deformable-DETR, DINO, …): top-K boxes, scores, labels"
     priority = 40
+    output_docs = OUTPUT_DOCS
+    sorted_by = "scores"
 
     def missing(self, model):
         missed = lacks(model, DETECTOR, also_self=True)

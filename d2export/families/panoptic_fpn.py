@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from d2export.families import AdapterOptions, Family
-from d2export.families._detections import dataset_metadata, detection_instances, detection_postprocess
+from d2export.families._detections import (OUTPUT_DOCS, dataset_metadata, detection_instances,
+                                           detection_postprocess)
 from d2export.families.rcnn import has_rcnn_inference
 from d2export.instances import Instance, decode_mask, encode_mask
 
@@ -31,6 +32,8 @@ class PanopticFPN(Family):
     name = "panoptic_fpn"
     summary = "detectron2 PanopticFPN: Mask R-CNN detections and semantic logits"
     priority = 85
+    output_docs = OUTPUT_DOCS
+    sorted_by = "scores"
 
     def missing(self, model):
         return has_rcnn_inference(model) or (None if hasattr(model, "sem_seg_head") else "needs a sem_seg_head")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 
 from d2export.families import AdapterOptions, Family
-from d2export.families._detections import detection_instances, detection_postprocess
+from d2export.families._detections import OUTPUT_DOCS, detection_instances, detection_postprocess
 
 
 def has_rcnn_inference(model) -> str | None:
@@ -25,6 +25,8 @@ class RCNN(Family):
     name = "rcnn"
     summary = "detectron2 R-CNN models (Faster/Mask/Keypoint R-CNN): boxes, masks, keypoints"
     priority = 90
+    output_docs = OUTPUT_DOCS
+    sorted_by = "scores"
 
     def missing(self, model):
         if hasattr(model, "sem_seg_head"):

@@ -8,7 +8,7 @@ d2export/families/_detections.py).
 from __future__ import annotations
 
 from d2export.families import AdapterOptions, Family
-from d2export.families._detections import detection_instances, detection_postprocess
+from d2export.families._detections import OUTPUT_DOCS, detection_instances, detection_postprocess
 
 NEEDS = ("preprocess_image", "backbone", "head", "head_in_features", "forward_inference")
 
@@ -27,6 +27,8 @@ class RetinaNet(Family):
     name = "retinanet"
     summary = "detectron2 RetinaNet (one-stage dense detectors): boxes"
     priority = 80
+    output_docs = OUTPUT_DOCS
+    sorted_by = "scores"
 
     def missing(self, model):
         lacking = [a for a in NEEDS if not hasattr(model, a)]

@@ -31,10 +31,10 @@ import numpy as np
 from fsspec.utils import glob_translate
 
 from d2export.cli import parser
-from d2export.manifest import Manifest, manifest_path
+from d2export.manifest import manifest_path
 from d2export.runtime.images import IMAGE_SUFFIXES, decode_image
 from d2export.runtime.predictor import (PROVIDERS, Prepared, Processing, ProviderUnavailable,
-                                        add_predictor_arguments, resolve_providers)
+                                        add_predictor_arguments, load_manifest, resolve_providers)
 
 FORMATS = {"parquet": ".parquet", "jsonl": ".jsonl"}
 DECODE_CPUS = 0.5  # Ray CPUs per decoding task
@@ -178,14 +178,6 @@ def prepare_pictures(batch: dict[str, np.ndarray], processing: Processing) -> di
             "width": np.array(widths, np.int64), "error": np.array(errors, dtype=object)}
 
 
-def equal_size_groups(prepared: Iterable[Prepared]) -> list[list[int]]:
-    """Indices grouped by the pictures' size in the graph, so no picture is padded and each gets its own answer."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prepared):
-        groups.setdefault(p.chw.shape, []).append(i)
-    return list(groups.values())
-
-
 @dataclass
 class ModelFiles:
     """The model and its manifest as bytes, so actors on any node can load it."""
@@ -196,14 +188,15 @@ class ModelFiles:
     @classmethod
     def read(cls, model_path: str | os.PathLike) -> "ModelFiles":
         model_path = Path(model_path)
-        return cls(model_path.name, {p.name: p.read_bytes() for p in (model_path, manifest_path(model_path))})
+        paths = (model_path, manifest_path(model_path))
+        return cls(model_path.name, {p.name: p.read_bytes() for p in paths if p.exists()})  # a lone model: itself
 
 
 class InferActor:
     """Ray actor: one onnxruntime session; batches of prepared pictures → output rows."""
 
     def __init__(self, model: Any, providers: list[str], threads: int, score_threshold: float | None,
-                 min_size: int | None, max_size: int | None):
+                 min_size: int | None, max_size: int | None, verify_hash: bool = True, embedded_manifest: bool = False):
         import ray
 
         from d2export.runtime.predictor import Predictor
@@ -213,7 +206,8 @@ class InferActor:
         for name, data in model.files.items():
             Path(self.folder.name, name).write_bytes(data)
         self.predictor = Predictor(Path(self.folder.name, model.name), providers, threads, score_threshold,
-                                   min_size=min_size, max_size=max_size)
+                                   min_size=min_size, max_size=max_size, verify_hash=verify_hash,
+                                   embedded_manifest=embedded_manifest)
 
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow as pa
@@ -223,9 +217,8 @@ class InferActor:
         errors = [str(e) or None for e in batch["error"]]
         ok = [i for i in range(n) if errors[i] is None]
         prepared = [Prepared(batch["chw"][i], int(batch["height"][i]), int(batch["width"][i])) for i in ok]
-        for group in equal_size_groups(prepared):
-            for j, prediction in zip(group, self.predictor.predict_prepared([prepared[j] for j in group])):
-                instances[ok[j]] = json.dumps(prediction.to_dict()["instances"], ensure_ascii=False)
+        for j, prediction in enumerate(self.predictor.predict_unpadded(prepared)):
+            instances[ok[j]] = json.dumps(prediction.to_dict()["instances"], ensure_ascii=False)
         heights = [None if e else int(h) for e, h in zip(errors, batch["height"])]
         widths = [None if e else int(w) for e, w in zip(errors, batch["width"])]
         return pa.table([list(batch["path"]), heights, widths, instances, errors], schema=row_schema())
@@ -298,7 +291,7 @@ def dataset(pictures: list[str], model_ref: Any, processing: Processing, actors:
 def run(model: str | os.PathLike, source: str, output: str, *, fmt: str = "parquet", actors: int | None = None,
         batch_size: int = 8, address: str | None = None, rows_per_file: int = 1000, threads: int = 1,
         providers: Iterable[str] = ("cpu",), score_threshold: float | None = None, min_size: int | None = None,
-        max_size: int | None = None) -> Summary:
+        max_size: int | None = None, verify_hash: bool = True, embedded_manifest: bool = False) -> Summary:
     """The whole job; see the module's docstring. `actors` None: as many as the CPUs hold, one kept for decoding."""
     import ray
 
@@ -307,8 +300,10 @@ def run(model: str | os.PathLike, source: str, output: str, *, fmt: str = "parqu
     if min(threads, batch_size, rows_per_file, actors or 1) < 1:
         raise ValueError("--threads, --batch-size, --actors and --rows-per-file must be at least 1")
     session = {"providers": list(providers), "threads": threads, "score_threshold": score_threshold,
-               "min_size": min_size, "max_size": max_size}
-    processing = Processing(Manifest.read(manifest_path(model)), score_threshold, min_size, max_size)
+               "min_size": min_size, "max_size": max_size, "verify_hash": verify_hash,
+               "embedded_manifest": embedded_manifest}
+    # the actors check the model against its manifest; here the manifest only has to be read
+    processing = Processing(load_manifest(Path(model), False, embedded_manifest), score_threshold, min_size, max_size)
     if address is None:  # the actors share this machine's onnxruntime (a cluster's may differ: its actors check)
         resolve_providers(session["providers"])
     pictures = list_pictures(source)
@@ -350,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(args.model, args.input, args.output, fmt=args.format, actors=args.actors,
                       batch_size=args.batch_size, address=args.address, rows_per_file=args.rows_per_file,
                       threads=args.threads, providers=args.providers.split(","), score_threshold=args.score_threshold,
-                      min_size=args.min_size, max_size=args.max_size)
+                      min_size=args.min_size, max_size=args.max_size, verify_hash=not args.no_verify_hash,
+                      embedded_manifest=args.embedded_manifest)
     except (OSError, ValueError, ProviderUnavailable) as e:
         print(f"d2export batch: error: {e}", file=sys.stderr)
         return 2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -43,6 +43,14 @@ class Prepared:
     chw: np.ndarray
     height: int
     width: int
+
+
+def equal_size_groups(prepared: Iterable[Prepared]) -> list[list[int]]:
+    """Indices grouped by the pictures' size in the graph (first appearance first)."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prepared):
+        groups.setdefault(p.chw.shape, []).append(i)
+    return list(groups.values())
 
 
 def resolve_providers(names: Sequence[str]) -> list[str]:
@@ -147,9 +155,8 @@ class Predictor(Processing):
         import onnxruntime as ort
 
         self.model_path, self.threads = Path(model_path), int(threads)
-        lone = embedded_manifest and self.model_path.is_file() and not manifest_path(self.model_path).exists()
-        manifest = Manifest.from_model(self.model_path) if lone else load_manifest(self.model_path, verify_hash)
-        super().__init__(manifest, score_threshold, min_size, max_size)
+        super().__init__(load_manifest(self.model_path, verify_hash, embedded_manifest), score_threshold, min_size,
+                         max_size)
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(threads)
@@ -188,6 +195,18 @@ class Predictor(Processing):
             found += [self.postprocess(outputs, i, p, t) for i, (p, t) in enumerate(zip(chunk, thresholds[start:]))]
         return found
 
+    def predict_unpadded(self, prepared: Sequence[Prepared],
+                         score_thresholds: Sequence[float | None] | None = None) -> list[Prediction]:
+        """As `predict_prepared`, but only pictures of one size share a run: none is padded for a batch-mate, so each
+        gets the answer it gets alone (a padded batch changes a DETR's answers: its attention sees the padding)."""
+        thresholds = list(score_thresholds or [None] * len(prepared))
+        found: list[Prediction] = [None] * len(prepared)  # type: ignore[list-item]
+        for group in equal_size_groups(prepared):
+            runs = self.predict_prepared([prepared[i] for i in group], [thresholds[i] for i in group])
+            for i, prediction in zip(group, runs):
+                found[i] = prediction
+        return found
+
     def predict_batch(self, images: Sequence[np.ndarray], format: str = "RGB",
                       score_threshold: float | None = None) -> list[Prediction]:
         """Several pictures, one session run: mixed sizes are zero-padded to a common size, as detectron2 batches."""
@@ -208,10 +227,13 @@ class Predictor(Processing):
                 "versions": m.versions}
 
 
-def load_manifest(model_path: Path, verify_hash: bool = True) -> Manifest:
-    """The manifest beside `model_path`, checked to describe that very file (by sha256 unless told not to)."""
+def load_manifest(model_path: Path, verify_hash: bool = True, embedded: bool = False) -> Manifest:
+    """The manifest beside `model_path`, checked to describe that very file (by sha256 unless told not to); with
+    `embedded`, a model without one beside it answers with the copy inside it."""
     if not model_path.is_file():
         raise ModelLoadError(f"model file not found: {model_path}")
+    if embedded and not manifest_path(model_path).exists():
+        return Manifest.from_model(model_path)
     path = manifest_path(model_path)
     if not path.is_file():
         raise ModelLoadError(f"{model_path} has no manifest beside it ({path.name} not found; an export into that "
@@ -255,8 +277,12 @@ def add_predictor_arguments(ap) -> None:
     ap.add_argument("--no-verify-hash", action="store_true",
                     help="skip checking the model's sha256 against its manifest (huge files); inputs and outputs "
                          "are still checked")
+    ap.add_argument("--embedded-manifest", action="store_true",
+                    help="serve a model.onnx that has no manifest beside it from the copy inside it (without this, "
+                         "a lone model is refused as what an interrupted export leaves)")
 
 
 def predictor_from_args(args) -> Predictor:
     return Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold,
-                     min_size=args.min_size, max_size=args.max_size, verify_hash=not args.no_verify_hash)
+                     min_size=args.min_size, max_size=args.max_size, verify_hash=not args.no_verify_hash,
+                     embedded_manifest=args.embedded_manifest)

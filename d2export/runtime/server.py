@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 
 from d2export.cli import parser
 from d2export.runtime.images import MAX_PIXELS, BadImage, ImageTooLarge, decode_image
-from d2export.runtime.predictor import (Prediction, Predictor, Prepared, ProviderUnavailable,
+from d2export.runtime.predictor import (Prediction, Predictor, Prepared, ProviderUnavailable, equal_size_groups,
                                         add_predictor_arguments, predictor_from_args)
 
 MAX_BYTES = 32 << 20
@@ -141,7 +141,8 @@ class Metrics:
 
 class Batcher:
     """Gathers concurrent requests into batches of at most `max_batch`, waiting at most `timeout_s` for company;
-    one batch runs at a time, on `pool`."""
+    one batch runs at a time, on `pool`, as one session run per picture size (no picture is padded for another's
+    sake, so an answer never depends on which requests came with it)."""
 
     def __init__(self, predictor: Predictor, max_batch: int, timeout_s: float, pool: ThreadPoolExecutor):
         self.predictor, self.max_batch, self.timeout_s, self.pool = predictor, max_batch, timeout_s, pool
@@ -177,10 +178,12 @@ class Batcher:
             items = [it for it in items if not it[2].cancelled()]  # clients that hung up
             if not items:
                 continue
-            self.batch_sizes[len(items)] += 1
+            prepared = [it[0] for it in items]
+            for group in equal_size_groups(prepared):
+                self.batch_sizes[len(group)] += 1
             try:
-                results = await loop.run_in_executor(self.pool, self.predictor.predict_prepared,
-                                                     [it[0] for it in items], [it[1] for it in items])
+                results = await loop.run_in_executor(self.pool, self.predictor.predict_unpadded,
+                                                     prepared, [it[1] for it in items])
             except Exception as e:  # noqa: BLE001 - every waiting request gets the error, the loop goes on
                 for it in items:
                     if not it[2].done():
