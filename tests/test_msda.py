@@ -147,7 +147,7 @@ RUN_SHAPES = [
 @pytest.mark.parametrize("sampler,opset,lq", [("gather", 11, 5), ("gather", 17, 5), ("gather", 11, "self"),
                                               ("gather", 17, 40), ("grid_sample", 16, 5), ("grid_sample", 19, 5)])
 def test_onnx_parity_at_other_sizes(sampler, opset, lq):
-    """Traced as self-attention (Lq = S: the quad-table layout) or with other query counts (straight from value)."""
+    """Traced as self-attention (Lq = S: gathered in pieces) or with other query counts (at once)."""
     lq = sum(h * w for h, w in EXPORT_SHAPES) if lq == "self" else lq
     model = _export(_Core(sampler), random_msda_inputs(EXPORT_SHAPES, n=2, lq=lq, heads=2, dim=4, points=3), opset)
     grid_samples = [n for n in model.graph.node if n.op_type == "GridSample"]
@@ -157,15 +157,13 @@ def test_onnx_parity_at_other_sizes(sampler, opset, lq):
         _close(_run(model, args), msda_reference(*args), 2e-6)
 
 
-def test_gather_layout_does_not_follow_the_dummy_size():
-    """The quad table only for self-attention (Lq = S, L·P ≥ M); a decoder whose queries outnumber the dummy's
-    pixels must not take it, or the graph is slow at serving sizes."""
-    from d2export.ops.msda import _quad_table_pays
+def test_only_self_attention_is_gathered_in_pieces():
+    """Queries that are the value's own tokens (Lq = S, an encoder) grow with the image and are gathered in pieces;
+    a decoder's fixed query count is not."""
+    from d2export.ops.msda import _self_attention
 
-    assert _quad_table_pays(32, 32, taps_per_query=9, heads=2)
-    assert not _quad_table_pays(40, 32, taps_per_query=9, heads=2)  # windows 360 >= rows 64, still no table
-    assert not _quad_table_pays(32, 32, taps_per_query=4, heads=8)
-    assert _quad_table_pays(torch.tensor(7), torch.tensor(7), taps_per_query=16, heads=8)  # traced sizes
+    assert _self_attention(32, 32) and not _self_attention(40, 32)
+    assert _self_attention(torch.tensor(7), torch.tensor(7))  # traced sizes
 
 
 def test_auto_exports_gather_unless_told_otherwise():
