@@ -40,14 +40,15 @@ def quiet_imports():
 def import_user_code(model: ModelConfig, plugin: PluginConfig, root: Path) -> None:
     from d2export.patching import compiled_ops
 
-    compiled_ops.install(plugin.compiled_ops)
+    with quiet_imports():
+        compiled_ops.install(plugin.compiled_ops)
     for entry in model.sys_path:
         path = str((root / entry).resolve())
         if path not in sys.path:
             sys.path.insert(0, path)
     for name in model.imports:
         try:
-            with quiet_imports():
+            with quiet_imports():  # user code scripted at import: torch's notice says nothing about this model
                 importlib.import_module(name)
         except Exception as e:
             raise UserError(f"model.imports: importing {name!r} failed: {type(e).__name__}: {e}") from e

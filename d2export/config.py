@@ -178,10 +178,9 @@ def resolve(cfg: Any) -> D2ExportConfig:
     if v.top_k < 1 or not 0 <= v.min_top_k_agreement <= 1:
         raise ConfigError(f"verify.top_k={v.top_k}, verify.min_top_k_agreement={v.min_top_k_agreement}: "
                           "need top_k >= 1 and an agreement in [0, 1]")
-    if obj.model.family != "auto":
-        from d2export import families  # torch-free: family modules are part of the serving runtime
+    from d2export import families  # torch-free: family modules are part of the serving runtime
 
-        _one_of("model.family", obj.model.family, ["auto", *families.names()])
+    _one_of("model.family", obj.model.family, families.requestable())
     return obj
 
 

@@ -17,7 +17,6 @@ import platform
 import signal
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -56,9 +55,7 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     root = Path(root or os.getcwd())
     check_files(cfg, root)
     _step(1, "importing user code", ", ".join(cfg.model.imports) or "-")
-    with warnings.catch_warnings():  # scripted user code: torch's deprecation notice says nothing about this model
-        warnings.filterwarnings("ignore", r"`torch\.jit\.script` is deprecated", FutureWarning)
-        building.import_user_code(cfg.model, cfg.plugin, root)
+    building.import_user_code(cfg.model, cfg.plugin, root)
     _step(2, "building the model", cfg.model.lazy_config or cfg.model.d2_config)
     d2cfg = building.load_config(cfg.model, root)
     model, weights = building.build_model(cfg.model, d2cfg, root)
@@ -272,11 +269,8 @@ def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
 
 
 def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
-    import onnxruntime as ort
-
     _step(5, "verifying with onnxruntime", f"{len(cases)} cases")
-    options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
-    session = ort.InferenceSession(str(path), options, providers=list(cfg.verify.providers))
+    session = _session(path, cfg.verify.providers)
     results = verify_mod.run_cases(session, output_names, cases, cfg.verify.atol, cfg.verify.rtol,
                                    cfg.verify.max_mismatch, built.family.sorted_by)
     log.info("verification:\n%s", verify_mod.format_table(results))
@@ -294,10 +288,17 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
     return summary
 
 
+def _session(path: Path, providers):
+    """An onnxruntime session for checking the staged graph, with the custom operators it uses registered."""
+    import onnxruntime as ort
+
+    options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
+    return ort.InferenceSession(str(path), options, providers=list(providers))
+
+
 def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
     """The verified float32 graph → float16 in place, verified on the same cases with float16's own tolerances."""
     import onnx
-    import onnxruntime as ort
 
     from d2export.exporting.fp16 import to_float16
 
@@ -306,8 +307,7 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
     if not cases:
         return {"passed": None}
     v = cfg.verify
-    options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
-    session = ort.InferenceSession(str(path), options, providers=list(v.providers))
+    session = _session(path, v.providers)
     summary = verify_mod.run_reduced_precision(session, output_names, cases, v.fp16_atol, v.fp16_rtol,
                                                v.fp16_max_mismatch, "scores", v.top_k, v.min_top_k_agreement)
     log.info("float16 verification (top-%d agreement %.2f):\n%s", v.top_k, summary["top_k_agreement"],

@@ -23,6 +23,7 @@ import numpy as np
 from d2export.instances import Instance
 
 ENTRY_POINT_GROUP = "d2export.families"
+AUTO = "auto"  # recognise: try every family in turn
 
 
 class FamilyError(ValueError):
@@ -112,9 +113,14 @@ def names() -> list[str]:
     return [f.name for f in families()]
 
 
-def recognise(model, requested: str = "auto") -> Family:
+def requestable() -> list[str]:
+    """What `model.family` may say: "auto" (try each family in turn) or a family's name."""
+    return [AUTO, *names()]
+
+
+def recognise(model, requested: str = AUTO) -> Family:
     """The family of a built model: the one asked for (checked), or with "auto" the first that fits."""
-    candidates = families() if requested == "auto" else [get(requested)]
+    candidates = families() if requested == AUTO else [get(requested)]
     misses = []
     for family in candidates:
         lacks = family.missing(model)
@@ -122,7 +128,7 @@ def recognise(model, requested: str = "auto") -> Family:
             return family
         misses.append(f"{family.name}: {lacks}")
     what = type(model).__name__
-    raise FamilyError(f"{what} is not a model of family {requested!r} ({misses[0]})" if requested != "auto" else
+    raise FamilyError(f"{what} is not a model of family {requested!r} ({misses[0]})" if requested != AUTO else
                       f"no model family fits {what}: " + "; ".join(misses))
 
 

@@ -232,9 +232,9 @@ def load_manifest(model_path: Path, verify_hash: bool = True, embedded: bool = F
     `embedded`, a model without one beside it answers with the copy inside it."""
     if not model_path.is_file():
         raise ModelLoadError(f"model file not found: {model_path}")
-    if embedded and not manifest_path(model_path).exists():
-        return Manifest.from_model(model_path)
     path = manifest_path(model_path)
+    if embedded and not path.exists():
+        return Manifest.from_model(model_path)
     if not path.is_file():
         raise ModelLoadError(f"{model_path} has no manifest beside it ({path.name} not found; an export into that "
                              "folder may have been interrupted: rerun it)")

@@ -75,8 +75,7 @@ def default_in_flight(threads: int, model_bytes: int) -> int:
 
 def default_max_batch(predictor: Predictor) -> int:
     """Batching on where the graph's batch axis is dynamic (a name, not a number)."""
-    batch_dim = predictor.manifest.inputs[0].shape[0] if predictor.manifest.inputs[0].shape else 1
-    return DEFAULT_BATCH if isinstance(batch_dim, str) else 1
+    return DEFAULT_BATCH if predictor.max_batch is None else 1
 
 
 class Admission:
