@@ -11,7 +11,8 @@ One run, one machine, in this order:
 2. latency at --size², batch 1: the model as a user runs it today on a CPU (eager PyTorch, MSDA swapped for the
    per-level grid_sample core) against every exported graph on onnxruntime's CPU provider, the same explicit
    thread count on both sides; all warmed up, then timed in interleaved rounds; medians and ratios;
-3. parity of every graph against eager on that image;
+3. parity of every graph against eager on that image, and the compute floor: the eager model's multiply-adds at the
+   best float32 rate this machine reaches on those threads, hence the most any float32 graph can beat eager by;
 4. per image size (--sizes): ms per image and the peak RSS of a fresh process that loads the model and runs it
    (eager and every graph, one child each), in one table and, with --plot, one figure;
 5. an onnxruntime profile of the first sampler's graph (warm runs only): time per op type, the MSDA sampling
@@ -176,6 +177,50 @@ def profile(path: Path, feed: dict, threads: int, runs: int, tmp: Path) -> dict:
             "msda_calls": len(scopes)}
 
 
+# --- the compute floor ----------------------------------------------------------------------------------------
+def model_macs(module, args) -> float:
+    """Multiply-adds of one eager call: matrix products and convolutions as torch's FLOP counter sees them, plus
+    four per sampled value for bilinear grid_sample (MSDA's eager core)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def grid_sample_flops(input_shape, grid_shape, *args, out_shape=None, **kwargs):
+        n, c = input_shape[:2]
+        return 2 * 4 * n * c * int(np.prod(grid_shape[1:-1]))  # counted as flops, 2 per multiply-add
+
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.grid_sampler_2d: grid_sample_flops})
+    with torch.no_grad(), counter:
+        module(*args)
+    return counter.get_total_flops() / 2
+
+
+def dense_rate(threads: int) -> float:
+    """The best float32 multiply-add rate this machine reaches on `threads` threads: large products (one of them
+    TESTR's encoder FFN at 640²) in onnxruntime (MLAS) and in torch, the best of a few tries of each."""
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "mm",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", "k"]),
+                               helper.make_tensor_value_info("b", TensorProto.FLOAT, ["k", "n"])],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, ["m", "n"])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                   providers=["CPUExecutionProvider"])
+    best = 0.0
+    for m, k, n in [(4096, 1024, 1024), (8500, 256, 1024)]:
+        a, b = np.random.rand(m, k).astype(np.float32), np.random.rand(k, n).astype(np.float32)
+        ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+        for run in (lambda: session.run(None, {"a": a, "b": b}), lambda: torch.mm(ta, tb)):
+            run()
+            for _ in range(7):
+                start = time.perf_counter()
+                run()
+                best = max(best, m * k * n / (time.perf_counter() - start))
+    return best
+
+
 # --- one model at one size, in a child process ---------------------------------------------------------------
 def _measure_child(config: str, runner: str, size: int, threads: int, runs: int) -> None:
     """Load the model (eager: build it; else: open the graph at `runner`), run one warm-up image and `runs` timed
@@ -337,6 +382,14 @@ def main(argv=None):
         par_s = "" if par is None else (f"scores {par['scores']:.1e}, points {par['ctrl_points']:.1e} px, "
                                          f"chars {par['char_ids_agree']:.3f}")
         print(f"{name:40s} {1e3 * sec:8.0f} {base / sec:8.2f}x   {par_s}")
+    macs, rate = model_macs(built.adapter, torch_args), dense_rate(args.threads)
+    floor = macs / rate
+    print(f"\n## compute floor at {args.size}x{args.size}: {macs / 1e9:.1f} G multiply-adds per image (matrix "
+          f"products, convolutions, bilinear sampling), at the best float32 rate measured here on {args.threads} "
+          f"thread(s), {rate / 1e9:.1f} G/s: {1e3 * floor:.0f} ms. No float32 graph on this machine can beat eager "
+          f"by more than {base / floor:.2f}x.")
+    for name, sec in medians.items():
+        print(f"{name:40s} {sec / floor:6.2f}x the floor")
     del built, runners  # the per-size children below need the memory
 
     if args.sizes:

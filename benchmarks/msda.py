@@ -12,7 +12,8 @@ formulation alone in a fresh child process.
 The floor of one call: the larger of its compute (Lq·M·L·P·4·D multiply-adds at this machine's measured single-core
 float32 FMA rate, times the threads) and its memory traffic (value, locations, weights read once, the output written
 once, at the measured copy bandwidth). The fused operator (`export.sampler=fused`) is timed through onnxruntime with
-its registration, as a user runs it.
+its registration, as a user runs it; next to it, its kernel called straight from numpy, and that kernel with every
+sampling point at one pixel (reads from L1), which split the fused call into copying, reading and arithmetic.
 """
 from __future__ import annotations
 
@@ -139,12 +140,24 @@ FORMULATIONS = {
     "ORT ours: gather, one piece": (_Core(_gather, chunks=1), 17),
     "ORT ours: gather (default)": (_ours("gather"), 17),
     "ORT ours: fused": (_ours("fused"), 17),
+    # the fused operator's kernel called straight from numpy: the rest of "ORT ours: fused" is the copying in and out
+    # of onnxruntime-extensions; with every sampling point at one pixel, its reads stay in L1: what is left is compute
+    "fused kernel alone": (None, "kernel"),
+    "fused kernel alone, every point at one pixel": (None, "kernel, one pixel"),
 }
 NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
 
 
 def build_runner(name, inputs, threads):
     module, how = FORMULATIONS[name]
+    if str(how).startswith("kernel"):
+        from d2export.runtime import msda_kernel
+
+        msda_kernel.numba.set_num_threads(threads)
+        arrays = [t.numpy() for t in inputs]
+        if how.endswith("one pixel"):
+            arrays[3] = np.full_like(arrays[3], 0.37)
+        return lambda: msda_kernel.msda(*arrays)
     if how == "eager":
         def run():
             with torch.no_grad():
@@ -278,6 +291,9 @@ def main(argv=None):
             for label, slow, fast in RATIOS:
                 print(f"  ratio {label:38s} {ms[slow] / ms[fast]:5.2f}x")
             print(f"  ratio {'fused vs floor':38s} {ms[FUSED] / floor:5.2f}x the floor")
+            alone, cached = ms["fused kernel alone"], ms["fused kernel alone, every point at one pixel"]
+            print(f"  of the fused call: onnxruntime-extensions' copies {ms[FUSED] - alone:.1f} ms, the kernel's "
+                  f"reads from value {alone - cached:.1f} ms, its arithmetic {cached:.1f} ms")
 
 
 if __name__ == "__main__":

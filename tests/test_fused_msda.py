@@ -113,6 +113,17 @@ def test_register_needs_nothing_for_portable_graphs_and_refuses_unknown_ops():
     assert custom_ops.register(options, []) is options
     with pytest.raises(ValueError, match="d2export.Nope"):
         custom_ops.register(ort.SessionOptions(), ["d2export.Nope"])
+    with pytest.raises(RuntimeError):  # portable graphs keep onnxruntime's own spinning default
+        options.get_session_config_entry("session.intra_op.allow_spinning")
+
+
+def test_register_stops_pool_spinning_unless_the_caller_chose():
+    fused = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+    assert fused.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    chosen = ort.SessionOptions()
+    chosen.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    custom_ops.register(chosen, [custom_ops.FUSED_MSDA_ID])
+    assert chosen.get_session_config_entry("session.intra_op.allow_spinning") == "1"
 
 
 _BLOCKED = """
