@@ -281,19 +281,32 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
         verify_mod.check(results)
     except verify_mod.VerificationError as e:
         culprit = summary["ladder"]["culprit"]
-        if culprit is None:
-            raise
-        raise verify_mod.VerificationError(f"{e}\nthe parity ladder's first diverging module: {culprit['module']} at "
-                                           f"{culprit['case']}, forward at {culprit['source']}") from None
+        where = "" if culprit is None else (f"\nthe parity ladder's first diverging module: {culprit['module']} at "
+                                            f"{culprit['case']}, forward at {culprit['source']}")
+        raise verify_mod.VerificationError(f"{e}{where}{_near_ties(path, cases, results, 'float32')}") from None
     return summary
+
+
+def _session_options(path: Path):
+    import onnxruntime as ort
+
+    return custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
 
 
 def _session(path: Path, providers):
     """An onnxruntime session for checking the staged graph, with the custom operators it uses registered."""
     import onnxruntime as ort
 
-    options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
-    return ort.InferenceSession(str(path), options, providers=list(providers))
+    return ort.InferenceSession(str(path), _session_options(path), providers=list(providers))
+
+
+def _near_ties(path: Path, cases, results, precision: str) -> str:
+    """For a failed verification: the graph's selections that are near-tied on the failing cases ('' if none)."""
+    from d2export.exporting import near_ties
+
+    failed = {r.case for r in results if not r.ok}
+    found = near_ties.describe(path, [c for c in cases if c.name in failed], _session_options(path), precision)
+    return f"\n{found}" if found else ""
 
 
 def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
@@ -313,9 +326,15 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
     log.info("float16 verification (top-%d agreement %.2f):\n%s", v.top_k, summary["top_k_agreement"],
              verify_mod.format_table([verify_mod.Comparison(**c) for c in summary["cases"]]))
     if not summary["passed"]:
+        failed = [verify_mod.Comparison(**c) for c in summary["cases"] if not c["ok"]]
+        why = [f"{len(failed)} output(s) past verify.fp16_atol={v.fp16_atol}/fp16_rtol={v.fp16_rtol} on more than "
+               f"verify.fp16_max_mismatch={v.fp16_max_mismatch:g} of their elements"] if failed else []
+        if summary["top_k_agreement"] < v.min_top_k_agreement:
+            why.append(f"top-{v.top_k} agreement {summary['top_k_agreement']:.2f} < verify.min_top_k_agreement="
+                       f"{v.min_top_k_agreement}")
         raise verify_mod.VerificationError(
-            f"the float16 graph disagrees with eager PyTorch past verify.fp16_atol={v.fp16_atol} or its top-{v.top_k} "
-            f"agreement {summary['top_k_agreement']:.2f} < verify.min_top_k_agreement={v.min_top_k_agreement}")
+            f"the float16 graph disagrees with eager PyTorch: {'; '.join(why)}\n{verify_mod.format_table(failed)}"
+            f"{_near_ties(path, cases, failed, 'float16')}")
     return summary
 
 

@@ -95,6 +95,23 @@ def test_shared_head_fault_is_named_by_call_order(exporter):
     assert not culprit.new_at_size  # wrong at the export input already
 
 
+def test_value_dependent_fault_is_not_blamed_on_a_baked_shape():
+    toy = Toy().eval()
+
+    def bright_images_off(original):  # wrong only where the picture is bright: values, not shapes
+        return lambda x: original(x) + (x.mean() > 0.5).float() * 0.05
+
+    dark, bright = (np.full((3, 40, 56), v, np.uint8) for v in (50, 200))
+    report = run_ladder(toy, SETTINGS, lambda: override_forward(toy.stem, bright_images_off), [dark],
+                        {"bright 40x56": [bright], "bright 56x40": [bright.transpose(0, 2, 1).copy()]})
+    at_export, same_size, other_size = report.cases
+    assert not at_export.diverged and same_size.first.module == "stem" and other_size.first.module == "stem"
+    by_case = {c.case: c for c in report.culprits()}
+    assert by_case["bright 40x56"].new_on_image and not by_case["bright 40x56"].new_at_size
+    assert by_case["bright 56x40"].new_at_size and not by_case["bright 56x40"].new_on_image  # a size the export lacks
+    assert "depends on values, not shapes" in report.format()
+
+
 def test_clean_toy_has_no_divergence_and_leaves_no_hooks():
     toy = Toy().eval()
     report = run_ladder(toy, SETTINGS, ladder.no_scope, dummy_images([(40, 56)]),

@@ -170,6 +170,7 @@ class Row:
 @dataclass
 class CaseReport:
     name: str
+    sizes: list = field(default_factory=list)  # (height, width) of each image
     rows: list[Row] = field(default_factory=list)
     error: str | None = None  # onnxruntime failed to run the graph
     error_module: str | None = None  # the module owning the failing node
@@ -193,6 +194,7 @@ class Culprit:
     model_source: str  # file:line of the module's own forward, as eager ran it
     tracer_warnings: list[str]  # TracerWarnings recorded in those files during the export
     new_at_size: bool  # diverges at this size, not at the export input's: a shape baked into the graph
+    new_on_image: bool = False  # diverges on another image of the export input's size: values, not shapes
 
     def __str__(self) -> str:
         what = "onnxruntime failed" if self.failed else "first divergence"
@@ -201,6 +203,9 @@ class Culprit:
                                                  else f" (patched; the model's own: {self.model_source})")]
         if self.new_at_size:
             lines.append("  clean at the export input, wrong at this size: a shape from the export is baked in here")
+        elif self.new_on_image:
+            lines.append("  clean at the export input, wrong on another image of the same size: a difference that "
+                         "depends on values, not shapes (a near-tied selection or threshold, a value baked in)")
         lines += [f"  TracerWarning {w}" for w in self.tracer_warnings]
         return "\n".join(lines)
 
@@ -230,7 +235,10 @@ class LadderReport:
             own = self.model_sources.get(module, src)
             files = {s.rsplit(":", 1)[0] for s in (src, own)}
             warns = [w for w in self.tracer_warnings if w.split(":", 1)[0] in files]
-            found.append(Culprit(case.name, module, call, case.first is None, src, own, warns, export_clean and i > 0))
+            new = export_clean and i > 0
+            same_size = case.sizes == self.cases[0].sizes
+            found.append(Culprit(case.name, module, call, case.first is None, src, own, warns, new and not same_size,
+                                 new and same_size))
         return found
 
     def culprit(self) -> Culprit | None:
@@ -256,7 +264,7 @@ class LadderReport:
                            f"{first}{'  ' + r.note if r.note else ''}{'' if r.ok else '  <--'}")
         groups: dict[tuple, list[Culprit]] = {}  # one line per culprit, however many sizes show it
         for c in self.culprits():
-            groups.setdefault((c.module, c.call, c.failed, c.new_at_size), []).append(c)
+            groups.setdefault((c.module, c.call, c.failed, c.new_at_size, c.new_on_image), []).append(c)
         out += [str(replace(cs[0], case=", ".join(c.case for c in cs))) for cs in groups.values()]
         return "\n".join(out if groups else out + ["no module diverges at any size"])
 
@@ -335,7 +343,7 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
 
 
 def _run_case(name, adapter, paths, session, names, keys, images, report, atol, rtol, max_mismatch) -> CaseReport:
-    case = CaseReport(name)
+    case = CaseReport(name, [tuple(im.shape[-2:]) for im in images])
     with torch.no_grad(), Recorder(adapter, paths) as eager:  # outside the scope: the model's own code
         adapter(*torch_inputs(adapter, images))
     for path, src in eager.sources.items():

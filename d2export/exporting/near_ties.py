@@ -1,0 +1,101 @@
+"""Why a verified-looking graph can still disagree: selections among near-tied candidates.
+
+Two-stage DETRs pick their queries with a TopK over proposal scores. Where candidates at the selection boundary, or
+neighbours inside the selection, differ by less than the float noise between onnxruntime and PyTorch, either side may
+pick or order them differently. Where query content follows the slot (DINO pairs the i-th proposal with the i-th
+learnt embedding), whole detections then change although the graph computes the same function. Random weights make
+such ties common; trained ones rarely. On a failed verification, `describe` looks at every TopK of the graph on the
+failing cases and says, with figures, where this is happening, so the user is not left hunting a bug that is not
+there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+# relative gap under which two scores count as near-tied after a deep network's noise: float32, and float16 (whose
+# own spacing is ~1e-3 relative)
+CLOSE = {"float32": 1e-5, "float16": 2e-3}
+
+
+@dataclass
+class Selection:
+    node: str
+    case: str
+    k: int
+    candidates: int
+    boundary_gap: float  # k-th best minus (k+1)-th best candidate (inf where all are selected)
+    inner_gap: float  # smallest gap between neighbours inside the selection
+    inner_close: int  # neighbours inside the selection closer than close × scale
+    scale: float  # mean magnitude of the selected values
+    close: float  # the relative gap that counts as a near-tie
+
+    @property
+    def near_tied(self) -> bool:
+        return min(self.boundary_gap, self.inner_gap) < self.close * max(self.scale, 1.0)
+
+    def line(self) -> str:
+        boundary = "" if self.k >= self.candidates else f"boundary gap {self.boundary_gap:.2g}, "
+        return (f"{self.case}: TopK {self.node} (k={self.k} of {self.candidates}, values ~{self.scale:.3g}): "
+                f"{boundary}smallest gap inside {self.inner_gap:.2g}, {self.inner_close} neighbours within "
+                f"{self.close:g} relative")
+
+
+def selections(model_path: str | Path, cases, session_options=None, precision: str = "float32") -> list[Selection]:
+    """Every TopK of the graph's top level, on every case: the gaps around and inside what it selected (per batch row
+    and selection, the worst)."""
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(str(model_path))
+    nodes = [n for n in model.graph.node if n.op_type == "TopK"]
+    if not nodes:
+        return []
+    typed = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    known = {o.name for o in model.graph.output}
+    for name in dict.fromkeys(t for node in nodes for t in (node.input[0], node.output[0])):
+        if name not in known:
+            model.graph.output.append(typed.get(name) or onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
+                                                                                            None))
+    options = session_options or ort.SessionOptions()
+    options.log_severity_level = 3  # the warnings were shown when the graph itself was checked
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    found = []
+    for case in cases:
+        values = dict(zip(names, session.run(None, case.inputs)))
+        for node in nodes:
+            axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
+            largest = next((a.i for a in node.attribute if a.name == "largest"), 1)
+            k = int(values[node.output[0]].shape[axis])
+            candidates = np.moveaxis(np.asarray(values[node.input[0]], dtype=np.float64), axis, -1)
+            found.append(_gaps(node.name or node.output[0], case.name, candidates, k, largest, CLOSE[precision]))
+    return found
+
+
+def _gaps(node: str, case: str, candidates: np.ndarray, k: int, largest: int, close: float) -> Selection:
+    rows = candidates.reshape(-1, candidates.shape[-1])
+    n = rows.shape[-1]
+    ordered = -np.sort(-rows, axis=-1) if largest else np.sort(rows, axis=-1)
+    chosen = ordered[:, :k]
+    inner = np.abs(np.diff(chosen, axis=-1))
+    scale = float(np.abs(chosen).mean()) if chosen.size else 0.0
+    boundary = float(np.abs(ordered[:, k - 1] - ordered[:, k]).min()) if 0 < k < n else float("inf")
+    return Selection(node, case, k, n, boundary, float(inner.min()) if inner.size else float("inf"),
+                     int((inner < close * max(scale, 1.0)).sum()), scale, close)
+
+
+def describe(model_path: str | Path, cases: Sequence, session_options=None, precision: str = "float32") -> str:
+    """Lines for a verification error: the near-tied selections on `cases`, or '' where there are none."""
+    try:
+        tied = [s for s in selections(model_path, cases, session_options, precision) if s.near_tied]
+    except Exception as e:  # noqa: BLE001 - a diagnosis must never hide the error it explains
+        return f"(selections not checked: {type(e).__name__}: {e})"
+    if not tied:
+        return ""
+    return ("near-tied selections in the graph: float noise between onnxruntime and PyTorch can pick or order these "
+            "candidates differently, which changes whole detections without a wrong graph (common with random "
+            "weights; check with trained ones):\n" + "\n".join("  " + s.line() for s in tied))
