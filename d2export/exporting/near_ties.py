@@ -35,7 +35,7 @@ class Selection:
 
     @property
     def near_tied(self) -> bool:
-        return min(self.boundary_gap, self.inner_gap) < self.close * max(self.scale, 1.0)
+        return min(self.boundary_gap, self.inner_gap) < _threshold(self.close, self.scale)
 
     def line(self) -> str:
         boundary = "" if self.k >= self.candidates else f"boundary gap {self.boundary_gap:.2g}, "
@@ -85,7 +85,12 @@ def _gaps(node: str, case: str, candidates: np.ndarray, k: int, largest: int, cl
     scale = float(np.abs(chosen).mean()) if chosen.size else 0.0
     boundary = float(np.abs(ordered[:, k - 1] - ordered[:, k]).min()) if 0 < k < n else float("inf")
     return Selection(node, case, k, n, boundary, float(inner.min()) if inner.size else float("inf"),
-                     int((inner < close * max(scale, 1.0)).sum()), scale, close)
+                     int((inner < _threshold(close, scale)).sum()), scale, close)
+
+
+def _threshold(close: float, scale: float) -> float:
+    """The absolute gap that counts as a near-tie: relative to the values' size, absolute below 1."""
+    return close * max(scale, 1.0)
 
 
 def describe(model_path: str | Path, cases: Sequence, session_options=None, precision: str = "float32") -> str:

@@ -4,7 +4,8 @@ original picture, clipped, empty ones dropped; per-box mask probabilities pasted
 paste_masks_in_image's grid_sample, then ≥ mask_threshold) and run-length encoded; keypoints scaled.
 
 Graph outputs (d2export/tracing/rcnn.py), row `index` of: `boxes` [N, R, 4] xyxy and `keypoints` [N, R, K, 3] in
-input pixels, `scores`, `labels` [N, R], `masks` [N, R, M, M] probabilities per box.
+input pixels, `scores`, `labels` [N, R], `masks` [N, R, M, M] probabilities per box. `Detectron2Detections` is
+what those families have in common.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from d2export.families import Family
 from d2export.instances import Instance, encode_mask
 
 MASKS_DOC = ("per-box MxM probabilities; pasted in the runtime into the original picture as detectron2's "
@@ -74,6 +76,15 @@ def detection_instances(outputs: dict[str, np.ndarray], index: int, input_hw: tu
             inst.keypoints = points.tolist()
         instances.append(inst)
     return instances
+
+
+class Detectron2Detections(Family):
+    """detectron2's own detectors: detections sorted by score, documented and post-processed alike."""
+    output_docs = OUTPUT_DOCS
+    sorted_by = "scores"
+
+    def instances(self, outputs, index, input_hw, original_hw, post, threshold):
+        return detection_instances(outputs, index, input_hw, original_hw, post, threshold)
 
 
 def paste_mask(mask: np.ndarray, box: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from d2export.families import AdapterOptions, Family
-from d2export.families._detections import (OUTPUT_DOCS, dataset_metadata, detection_instances,
-                                           detection_postprocess)
+from d2export.families import AdapterOptions
+from d2export.families._detections import Detectron2Detections, dataset_metadata, detection_postprocess
 from d2export.families.rcnn import has_rcnn_inference
 from d2export.instances import Instance, decode_mask, encode_mask
 
@@ -28,12 +27,10 @@ def inference(model, inputs: list) -> dict:
     return instance_tensors(detections[0]) | {"sem_seg": sem_seg[0][:, :h, :w]}
 
 
-class PanopticFPN(Family):
+class PanopticFPN(Detectron2Detections):
     name = "panoptic_fpn"
     summary = "detectron2 PanopticFPN: Mask R-CNN detections and semantic logits"
     priority = 85
-    output_docs = OUTPUT_DOCS
-    sorted_by = "scores"
 
     def missing(self, model):
         return has_rcnn_inference(model) or (None if hasattr(model, "sem_seg_head") else "needs a sem_seg_head")
@@ -55,7 +52,7 @@ class PanopticFPN(Family):
                         "instances_score_threshold": float(combine.INSTANCES_CONFIDENCE_THRESH)}}
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
-        things = detection_instances(outputs, index, input_hw, original_hw, post, threshold)
+        things = super().instances(outputs, index, input_hw, original_hw, post, threshold)
         return things + stuff_regions(outputs["sem_seg"][index], things, original_hw, post)
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import inspect
 
-from d2export.families import AdapterOptions, Family
-from d2export.families._detections import OUTPUT_DOCS, detection_instances, detection_postprocess
+from d2export.families import AdapterOptions
+from d2export.families._detections import Detectron2Detections, detection_postprocess
 
 
 def has_rcnn_inference(model) -> str | None:
@@ -21,12 +21,10 @@ def has_rcnn_inference(model) -> str | None:
     return None
 
 
-class RCNN(Family):
+class RCNN(Detectron2Detections):
     name = "rcnn"
     summary = "detectron2 R-CNN models (Faster/Mask/Keypoint R-CNN): boxes, masks, keypoints"
     priority = 90
-    output_docs = OUTPUT_DOCS
-    sorted_by = "scores"
 
     def missing(self, model):
         if hasattr(model, "sem_seg_head"):
@@ -41,9 +39,6 @@ class RCNN(Family):
 
     def postprocess(self, cfg):
         return detection_postprocess(cfg, cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST)
-
-    def instances(self, outputs, index, input_hw, original_hw, post, threshold):
-        return detection_instances(outputs, index, input_hw, original_hw, post, threshold)
 
 
 FAMILY = RCNN()

@@ -7,8 +7,8 @@ d2export/families/_detections.py).
 """
 from __future__ import annotations
 
-from d2export.families import AdapterOptions, Family
-from d2export.families._detections import OUTPUT_DOCS, detection_instances, detection_postprocess
+from d2export.families import AdapterOptions
+from d2export.families._detections import Detectron2Detections, detection_postprocess
 
 NEEDS = ("preprocess_image", "backbone", "head", "head_in_features", "forward_inference")
 
@@ -23,12 +23,10 @@ def inference(model, inputs: list) -> dict:
     return instance_tensors(model.forward_inference(images, features, model.head(features))[0])
 
 
-class RetinaNet(Family):
+class RetinaNet(Detectron2Detections):
     name = "retinanet"
     summary = "detectron2 RetinaNet (one-stage dense detectors): boxes"
     priority = 80
-    output_docs = OUTPUT_DOCS
-    sorted_by = "scores"
 
     def missing(self, model):
         lacking = [a for a in NEEDS if not hasattr(model, a)]
@@ -42,9 +40,6 @@ class RetinaNet(Family):
 
     def postprocess(self, cfg):
         return detection_postprocess(cfg, cfg.MODEL.RETINANET.SCORE_THRESH_TEST, num_classes="retinanet")
-
-    def instances(self, outputs, index, input_hw, original_hw, post, threshold):
-        return detection_instances(outputs, index, input_hw, original_hw, post, threshold)
 
 
 FAMILY = RetinaNet()
