@@ -89,6 +89,8 @@ class VerifyConfig:
     min_top_k_agreement: float = opt(0.8, "float16: least fraction of the eager top-K found in the graph's top-K")
     providers: List[str] = opt(factory=lambda: ["CPUExecutionProvider"], help="onnxruntime providers for "
                                "verification")
+    pin_selections: bool = opt(True, "a failed case passes if the graph picked differently only among candidates "
+                               "within float noise (TopK) and every output agrees with that pick imposed on eager")
     ladder: bool = opt(False, "run the parity ladder (docs/ladder.md) always, not only when verification fails")
 
 

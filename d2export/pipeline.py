@@ -105,7 +105,8 @@ def verification_cases(built: Built) -> list[verify_mod.Case]:
     for i, group in progress.steps(list(enumerate(groups)), "eager references"):
         images = dummy_images(group, seed=1000 + 10 * i)
         name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group)
-        cases.append(verify_mod.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images)))
+        cases.append(verify_mod.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images),
+                                     images))
     return cases
 
 
@@ -205,7 +206,7 @@ def _export(cfg: D2ExportConfig, root: Path | None, final: Path, built: Built | 
             verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
                             else {"passed": None})
             if e.fp16:
-                verification["fp16"] = _to_fp16(cfg, staged_model, adapter.output_names, cases)
+                verification["fp16"] = _to_fp16(cfg, staged_model, adapter.output_names, cases, built)
             _fault_point("verified")
             manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
             manifest.write(staged_manifest)
@@ -271,11 +272,18 @@ def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
 def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
     _step(5, "verifying with onnxruntime", f"{len(cases)} cases")
     session = _session(path, cfg.verify.providers)
-    results = verify_mod.run_cases(session, output_names, cases, cfg.verify.atol, cfg.verify.rtol,
-                                   cfg.verify.max_mismatch, built.family.sorted_by)
+    v = cfg.verify
+    results = verify_mod.run_cases(session, output_names, cases, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by)
+    judge = lambda case, expected, actual: _all_ok(verify_mod.compare_case(  # noqa: E731
+        case, expected, actual, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by))
+    pinned = _pin_selections(cfg, path, output_names, cases, {r.case for r in results if not r.ok}, built, judge,
+                             "float32")
+    results = _with_pinned(results, pinned)
     log.info("verification:\n%s", verify_mod.format_table(results))
-    summary = verify_mod.summarise(results) | {"atol": cfg.verify.atol, "rtol": cfg.verify.rtol}
-    if cfg.verify.ladder or not summary["passed"]:
+    summary = verify_mod.summarise(results) | {"atol": v.atol, "rtol": v.rtol}
+    if pinned:
+        summary["pinned"] = [p.to_dict() for p in pinned]
+    if v.ladder or not summary["passed"]:
         summary["ladder"] = _ladder(built)
     try:
         verify_mod.check(results)
@@ -283,8 +291,42 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
         culprit = summary["ladder"]["culprit"]
         where = "" if culprit is None else (f"\nthe parity ladder's first diverging module: {culprit['module']} at "
                                             f"{culprit['case']}, forward at {culprit['source']}")
-        raise verify_mod.VerificationError(f"{e}{where}{_near_ties(path, cases, results, 'float32')}") from None
+        raise verify_mod.VerificationError(f"{e}{where}{_pinning_lines(summary)}"
+                                           f"{_near_ties(path, cases, results, 'float32')}") from None
     return summary
+
+
+def _all_ok(comparisons: list) -> tuple[list, bool]:
+    return comparisons, all(c.ok for c in comparisons)
+
+
+def _pin_selections(cfg: D2ExportConfig, path: Path, output_names, cases, failed_names: set, built: Built, judge,
+                    precision: str) -> list:
+    """The failed cases again with the graph's near-tied selections imposed on eager (exporting/pinning.py)."""
+    from d2export.exporting import pinning
+
+    failed = [c for c in cases if c.images is not None and c.name in failed_names]
+    if not failed or not cfg.verify.pin_selections:
+        return []
+    with progress.busy("checking the failed cases' selections"):
+        pinned = pinning.pin_cases(path, failed, output_names, lambda c: built.adapter.reference(c.images), judge,
+                                   _session_options(path), precision)
+    for p in pinned:
+        log.log(logging.INFO if p.ok else logging.WARNING, "%s", p.line())
+    return pinned
+
+
+def _with_pinned(results: list, pinned: list) -> list:
+    """`results` with the comparisons of each case that pinning cleared replaced by those made after pinning."""
+    cleared = {p.case: p.comparisons for p in pinned if p.ok}
+    kept = [r for r in results if r.case not in cleared]
+    return kept + [c for comparisons in cleared.values() for c in comparisons]
+
+
+def _pinning_lines(summary: dict) -> str:
+    """For a failed verification: why pinning did not clear each case it was tried on."""
+    return "".join(f"\n{p['case']}: pinning did not clear the case: {p['why']}"
+                   for p in summary.get("pinned", []) if not p["ok"])
 
 
 def _session_options(path: Path):
@@ -309,7 +351,7 @@ def _near_ties(path: Path, cases, results, precision: str) -> str:
     return f"\n{found}" if found else ""
 
 
-def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
+def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
     """The verified float32 graph → float16 in place, verified on the same cases with float16's own tolerances."""
     import onnx
 
@@ -323,6 +365,22 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
     session = _session(path, v.providers)
     summary = verify_mod.run_reduced_precision(session, output_names, cases, v.fp16_atol, v.fp16_rtol,
                                                v.fp16_max_mismatch, "scores", v.top_k, v.min_top_k_agreement)
+    if not summary["passed"]:
+        results = [verify_mod.Comparison(**c) for c in summary["cases"]]
+        weak = {c for c, a in summary["case_agreement"].items() if a < v.min_top_k_agreement}
+        agreements = dict(summary["case_agreement"])
+
+        def judge(case, expected, actual):
+            compared, agreements[case] = verify_mod.compare_reduced_case(
+                case, expected, actual, v.fp16_atol, v.fp16_rtol, v.fp16_max_mismatch, "scores", v.top_k)
+            return compared, all(c.ok for c in compared) and agreements[case] >= v.min_top_k_agreement
+
+        failed = weak | {r.case for r in results if not r.ok}
+        pinned = _pin_selections(cfg, path, output_names, cases, failed, built, judge, "float16")
+        if pinned:
+            summary = verify_mod.reduced_summary(_with_pinned(results, pinned), agreements, v.fp16_atol, v.fp16_rtol,
+                                                 v.fp16_max_mismatch, v.top_k, v.min_top_k_agreement)
+            summary["pinned"] = [p.to_dict() for p in pinned]
     log.info("float16 verification (top-%d agreement %.2f):\n%s", v.top_k, summary["top_k_agreement"],
              verify_mod.format_table([verify_mod.Comparison(**c) for c in summary["cases"]]))
     if not summary["passed"]:
@@ -334,7 +392,7 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases) -> dict:
                        f"{v.min_top_k_agreement}")
         raise verify_mod.VerificationError(
             f"the float16 graph disagrees with eager PyTorch: {'; '.join(why)}\n{verify_mod.format_table(failed)}"
-            f"{_near_ties(path, cases, failed, 'float16')}")
+            f"{_pinning_lines(summary)}{_near_ties(path, cases, failed, 'float16')}")
     return summary
 
 

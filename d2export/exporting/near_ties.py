@@ -35,7 +35,7 @@ class Selection:
 
     @property
     def near_tied(self) -> bool:
-        return min(self.boundary_gap, self.inner_gap) < _threshold(self.close, self.scale)
+        return min(self.boundary_gap, self.inner_gap) < threshold(self.close, self.scale)
 
     def line(self) -> str:
         boundary = "" if self.k >= self.candidates else f"boundary gap {self.boundary_gap:.2g}, "
@@ -44,35 +44,50 @@ class Selection:
                 f"{self.close:g} relative")
 
 
-def selections(model_path: str | Path, cases, session_options=None, precision: str = "float32") -> list[Selection]:
-    """Every TopK of the graph's top level, on every case: the gaps around and inside what it selected (per batch row
-    and selection, the worst)."""
+def attribute(node, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def selecting_session(model_path: str | Path, session_options=None):
+    """A verification copy of the graph whose outputs also carry every top-level TopK's candidates, values and
+    indices (the written model is not touched): (onnxruntime session, the TopK nodes in graph order)."""
     import onnx
     import onnxruntime as ort
 
     model = onnx.load(str(model_path))
     nodes = [n for n in model.graph.node if n.op_type == "TopK"]
     if not nodes:
-        return []
+        return None, []
     typed = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
     known = {o.name for o in model.graph.output}
-    for name in dict.fromkeys(t for node in nodes for t in (node.input[0], node.output[0])):
+    wanted = {node.input[0]: onnx.TensorProto.FLOAT for node in nodes}
+    wanted |= {name: dtype for node in nodes for name, dtype in zip(node.output, (onnx.TensorProto.FLOAT,
+                                                                                   onnx.TensorProto.INT64))}
+    for name, dtype in wanted.items():
         if name not in known:
-            model.graph.output.append(typed.get(name) or onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT,
-                                                                                            None))
+            model.graph.output.append(typed.get(name) or onnx.helper.make_tensor_value_info(name, dtype, None))
     options = session_options or ort.SessionOptions()
     options.log_severity_level = 3  # the warnings were shown when the graph itself was checked
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session, nodes
+
+
+def selections(model_path: str | Path, cases, session_options=None, precision: str = "float32") -> list[Selection]:
+    """Every TopK of the graph's top level, on every case: the gaps around and inside what it selected (per batch row
+    and selection, the worst)."""
+    session, nodes = selecting_session(model_path, session_options)
+    if not nodes:
+        return []
     names = [o.name for o in session.get_outputs()]
     found = []
     for case in cases:
         values = dict(zip(names, session.run(None, case.inputs)))
         for node in nodes:
-            axis = next((a.i for a in node.attribute if a.name == "axis"), -1)
-            largest = next((a.i for a in node.attribute if a.name == "largest"), 1)
+            axis = attribute(node, "axis", -1)
             k = int(values[node.output[0]].shape[axis])
             candidates = np.moveaxis(np.asarray(values[node.input[0]], dtype=np.float64), axis, -1)
-            found.append(_gaps(node.name or node.output[0], case.name, candidates, k, largest, CLOSE[precision]))
+            found.append(_gaps(node.name or node.output[0], case.name, candidates, k, attribute(node, "largest", 1),
+                               CLOSE[precision]))
     return found
 
 
@@ -85,10 +100,10 @@ def _gaps(node: str, case: str, candidates: np.ndarray, k: int, largest: int, cl
     scale = float(np.abs(chosen).mean()) if chosen.size else 0.0
     boundary = float(np.abs(ordered[:, k - 1] - ordered[:, k]).min()) if 0 < k < n else float("inf")
     return Selection(node, case, k, n, boundary, float(inner.min()) if inner.size else float("inf"),
-                     int((inner < _threshold(close, scale)).sum()), scale, close)
+                     int((inner < threshold(close, scale)).sum()), scale, close)
 
 
-def _threshold(close: float, scale: float) -> float:
+def threshold(close: float, scale: float) -> float:
     """The absolute gap that counts as a near-tie: relative to the values' size, absolute below 1."""
     return close * max(scale, 1.0)
 

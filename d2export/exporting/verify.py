@@ -16,6 +16,7 @@ class Case:
     name: str  # e.g. "320x320", "batch2 320x320+256x384"
     inputs: dict[str, np.ndarray]
     expected: list[np.ndarray]  # eager outputs, in output order
+    images: list | None = None  # the pictures behind `inputs`, for an eager rerun (pinned selections)
 
 
 @dataclass
@@ -69,22 +70,27 @@ def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol
 
 def run_cases(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
               max_mismatch: float = 1e-3, sorted_by: str | None = None) -> list[Comparison]:
-    """Every case through the session, every output compared. `sorted_by`: the graph's outputs are detections sorted
-    by that output (descending), so slots whose values tie may come in either order: that output is compared slot by
-    slot as it is, the others after matching each expected detection to the actual slot that holds it."""
+    """Every case through the session, every output compared (`compare_case`)."""
     from d2export.progress import steps
 
     results = []
     for case in steps(cases, "verifying"):
         actual = dict(zip(output_names, session.run(list(output_names), case.inputs)))
-        expected = dict(zip(output_names, case.expected))
-        order = None
-        if sorted_by in actual and actual[sorted_by].shape == expected[sorted_by].shape:
-            order = match_slots(expected, actual, sorted_by)
-        for name, e in expected.items():
-            a = actual[name] if name == sorted_by else reordered(actual[name], order)
-            results.append(compare(case.name, name, e, a, atol, rtol, max_mismatch))
+        results += compare_case(case.name, dict(zip(output_names, case.expected)), actual, atol, rtol, max_mismatch,
+                                sorted_by)
     return results
+
+
+def compare_case(case: str, expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], atol: float,
+                 rtol: float, max_mismatch: float = 1e-3, sorted_by: str | None = None) -> list[Comparison]:
+    """Every output of one case. `sorted_by`: the graph's outputs are detections sorted by that output
+    (descending), so slots whose values tie may come in either order: that output is compared slot by slot as it
+    is, the others after matching each expected detection to the actual slot that holds it."""
+    order = None
+    if sorted_by in actual and actual[sorted_by].shape == expected[sorted_by].shape:
+        order = match_slots(expected, actual, sorted_by)
+    return [compare(case, name, e, actual[name] if name == sorted_by else reordered(actual[name], order), atol, rtol,
+                    max_mismatch) for name, e in expected.items()]
 
 
 def reordered(actual: np.ndarray, order: np.ndarray | None) -> np.ndarray:
@@ -157,24 +163,39 @@ def top_k_agreement(expected: np.ndarray, actual: np.ndarray, k: int, order: np.
 
 def run_reduced_precision(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
                           max_mismatch: float, score_output: str, top_k: int, min_agreement: float) -> dict:
-    """A reduced-precision graph against eager float32. Detections are matched by content first (`match_slots`);
-    then every output may have a fraction `max_mismatch` of elements outside its (looser) tolerance, and the
-    top-`top_k` detections by `score_output` must mostly be the same ones."""
+    """A reduced-precision graph against eager float32, case by case (`compare_reduced_case`)."""
     from d2export.progress import steps
 
-    results, agreements = [], []
+    results, agreements = [], {}
     for case in steps(cases, "verifying float16"):
         actual = dict(zip(output_names, session.run(list(output_names), case.inputs)))
-        expected = dict(zip(output_names, case.expected))
-        order = match_slots(expected, actual, score_output) if score_output in actual else None
-        for name, e in expected.items():
-            a = reordered(actual[name], order)
-            d = difference(e, a, atol, rtol)
-            results.append(Comparison(case.name, name, list(np.shape(e)), d.max_abs, d.max_rel, d.mismatch,
-                                      np.shape(e) == np.shape(a) and d.mismatch <= max_mismatch))
-        if order is not None:
-            agreements.append(top_k_agreement(expected[score_output], actual[score_output], top_k, order))
-    agreement = min(agreements, default=1.0)
+        compared, agreements[case.name] = compare_reduced_case(case.name, dict(zip(output_names, case.expected)),
+                                                               actual, atol, rtol, max_mismatch, score_output, top_k)
+        results += compared
+    return reduced_summary(results, agreements, atol, rtol, max_mismatch, top_k, min_agreement)
+
+
+def compare_reduced_case(case: str, expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], atol: float,
+                         rtol: float, max_mismatch: float, score_output: str, top_k: int) -> tuple[list, float]:
+    """Detections are matched by content first (`match_slots`); then every output may have a fraction
+    `max_mismatch` of elements outside its (looser) tolerance. Returns the comparisons and the fraction of the
+    top-`top_k` detections by `score_output` that are the same ones (1.0 without scores)."""
+    order = match_slots(expected, actual, score_output) if score_output in actual else None
+    results = []
+    for name, e in expected.items():
+        a = reordered(actual[name], order)
+        d = difference(e, a, atol, rtol)
+        results.append(Comparison(case, name, list(np.shape(e)), d.max_abs, d.max_rel, d.mismatch,
+                                  np.shape(e) == np.shape(a) and d.mismatch <= max_mismatch))
+    agreement = 1.0 if order is None else top_k_agreement(expected[score_output], actual[score_output], top_k, order)
+    return results, agreement
+
+
+def reduced_summary(results: Sequence[Comparison], agreements: dict[str, float], atol: float, rtol: float,
+                    max_mismatch: float, top_k: int, min_agreement: float) -> dict:
+    """`agreements`: each case's top-K agreement, by case name."""
+    agreement = min(agreements.values(), default=1.0)
     return summarise(results) | {"atol": atol, "rtol": rtol, "max_mismatch": max_mismatch, "top_k": top_k,
-                                 "top_k_agreement": agreement, "min_top_k_agreement": min_agreement,
+                                 "top_k_agreement": agreement, "case_agreement": agreements,
+                                 "min_top_k_agreement": min_agreement,
                                  "passed": all(r.ok for r in results) and agreement >= min_agreement}
