@@ -120,6 +120,25 @@ def build_model(model: ModelConfig, d2cfg: Any, root: Path) -> tuple[torch.nn.Mo
     return net, load_weights(net, model, root)
 
 
+def condition_seeded(net: torch.nn.Module, weights: dict, scales: dict[str, float]) -> dict:
+    """Seeded random weights made to look like a model's: each parameter whose name holds a fragment of `scales`
+    multiplied by its factor. A checkpoint is never touched. Returns the manifest's weights record."""
+    if weights.get("path") is not None or not scales:
+        return weights
+    scaled = []
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            factor = next((f for fragment, f in scales.items() if fragment in name), None)
+            if factor is not None:
+                p.mul_(factor)
+                scaled.append(name)
+    if not scaled:
+        return weights
+    log.info("seeded weights conditioned (%s): %d parameters", ", ".join(f"{k} x{v:g}" for k, v in scales.items()),
+             len(scaled))
+    return weights | {"kind": "seeded (conditioned)", "conditioned": scaled}
+
+
 def load_weights(net: torch.nn.Module, model: ModelConfig, root: Path) -> dict:
     """Loads `model.weights` through detectron2's checkpointer (its key renaming and format support), insisting that
     it fits the model unless `model.strict_weights` is false. Returns the manifest's record of the weights."""
@@ -128,7 +147,7 @@ def load_weights(net: torch.nn.Module, model: ModelConfig, root: Path) -> dict:
         log.warning("model.weights is not set: exporting SEEDED RANDOM WEIGHTS (seed %d). The graph is real; its "
                     "answers are not.", model.seed)
         log.warning("!" * 72)
-        return {"path": None, "random_seed": model.seed}
+        return {"path": None, "random_seed": model.seed, "kind": "seeded"}
     path = root / model.weights
     if not path.is_file():
         raise UserError(f"model.weights: no such file: {path}")

@@ -66,6 +66,7 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     except families.FamilyError as e:
         raise building.UserError(f"model.family={cfg.model.family}: {e}") from None
     log.info("model family: %s (%s)", family.name, family.summary)
+    weights = building.condition_seeded(model, weights, family.seeded_scales)
     options = families.AdapterOptions(example=dummy_images(cfg.export.dummy_sizes, cfg.model.seed),
                                       text_logits=cfg.export.text_logits)
     adapter = family.adapter(model, d2cfg, options).eval()

@@ -48,6 +48,9 @@ class Family:
     output_docs: dict[str, str] = {}
     # the output the detections are sorted by (descending), where they are: tied slots may swap in verification
     sorted_by: str | None = None
+    # seeded random weights only (never a checkpoint): parameter-name fragment → factor, for heads whose random
+    # initialisation is degenerate as no trained model is (every score saturated to 1.0, boxes thrown off the picture)
+    seeded_scales: dict[str, float] = {}
 
     # export side (torch may be imported inside these) ------------------------------------------------------------
     def missing(self, model) -> str | None:

@@ -82,6 +82,9 @@ class Detectron2Detections(Family):
     """detectron2's own detectors: detections sorted by score, documented and post-processed alike."""
     output_docs = OUTPUT_DOCS
     sorted_by = "scores"
+    # random box deltas throw boxes out of the picture, a random RetinaNet classifier scores every anchor 1.0 (a
+    # thousand exact ties in its TopK), random keypoint logits in the thousands make detectron2's own decoding assert
+    seeded_scales = {"bbox_pred": 0.01, "head.cls_score.weight": 0.01, "keypoint_head.score_lowres": 0.01}
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
         return detection_instances(outputs, index, input_hw, original_hw, post, threshold)
