@@ -79,8 +79,10 @@ class VerifyConfig:
     sizes: List[List[int]] = opt(factory=list, help="[height, width] checked one by one; empty: the dummy size, its "
                                  "transpose, a non-square pair and an odd size")
     batch: bool = opt(True, "also a batch of two images of different sizes")
-    atol: float = opt(1e-3, "absolute tolerance (float32 graph)")
-    rtol: float = opt(1e-3, "relative tolerance (float32 graph)")
+    atol: float = opt(1e-3, "absolute tolerance (float32 graph) of probabilities, logits and masks")
+    rtol: float = opt(1e-3, "relative tolerance (float32 graph), every kind but ids")
+    pixel_atol: float = opt(1e-3, "absolute tolerance (float32 graph) of coordinates in input pixels: boxes, control "
+                            "and boundary points, keypoints; ids (labels, characters) must match")
     max_mismatch: float = opt(1e-3, "fraction of integer (argmax) outputs allowed to flip on near-ties")
     fp16_atol: float = opt(5e-2, "absolute tolerance for a float16 graph (export.fp16)")
     fp16_rtol: float = opt(5e-2, "relative tolerance for a float16 graph")

@@ -25,6 +25,7 @@ import torch
 
 from d2export import __version__, building, progress
 from d2export.config import D2ExportConfig, check_files
+from d2export.exporting import ladder as ladder_mod
 from d2export.exporting import lint as lint_mod
 from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
@@ -274,14 +275,19 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
     _step(5, "verifying with onnxruntime", f"{len(cases)} cases")
     session = _session(path, cfg.verify.providers)
     v = cfg.verify
-    results = verify_mod.run_cases(session, output_names, cases, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by)
+    per_output = _output_tolerances(built)
+    results = verify_mod.run_cases(session, output_names, cases, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by,
+                                   per_output)
     judge = lambda case, expected, actual: _all_ok(verify_mod.compare_case(  # noqa: E731
-        case, expected, actual, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by))
+        case, expected, actual, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by, per_output))
     pinned = _pin_selections(cfg, path, output_names, cases, {r.case for r in results if not r.ok}, built, judge,
                              "float32")
     results = _with_pinned(results, pinned)
     log.info("verification:\n%s", verify_mod.format_table(results))
-    summary = verify_mod.summarise(results) | {"atol": v.atol, "rtol": v.rtol}
+    summary = verify_mod.summarise(results) | {
+        "atol": v.atol, "rtol": v.rtol, "pixel_atol": v.pixel_atol,
+        "tolerances": {kind: {"atol": a, "rtol": r} for kind, (a, r) in _tolerances_by_kind(cfg).items()},
+        "output_kinds": {n: built.family.output_kinds.get(n, "logits") for n in output_names}}
     if pinned:
         summary["pinned"] = [p.to_dict() for p in pinned]
     if v.ladder or not summary["passed"]:
@@ -290,11 +296,22 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
         verify_mod.check(results)
     except verify_mod.VerificationError as e:
         culprit = summary["ladder"]["culprit"]
-        where = "" if culprit is None else (f"\nthe parity ladder's first diverging module: {culprit['module']} at "
+        where = "" if culprit is None else (f"\nthe parity ladder's first diverging module: "
+                                            f"{culprit['module'] or ladder_mod.ROOT} at "
                                             f"{culprit['case']}, forward at {culprit['source']}")
         raise verify_mod.VerificationError(f"{e}{where}{_pinning_lines(summary)}"
                                            f"{_near_ties(path, cases, results, 'float32')}") from None
     return summary
+
+
+def _tolerances_by_kind(cfg: D2ExportConfig) -> dict[str, tuple[float, float]]:
+    return verify_mod.tolerances_by_kind(cfg.verify.atol, cfg.verify.rtol, cfg.verify.pixel_atol)
+
+
+def _output_tolerances(built: Built) -> dict[str, tuple[float, float]]:
+    """Each graph output's (atol, rtol) by the kind its family says it holds."""
+    return verify_mod.output_tolerances(built.adapter.output_names, built.family.output_kinds,
+                                        _tolerances_by_kind(built.cfg))
 
 
 def _all_ok(comparisons: list) -> tuple[list, bool]:
@@ -407,8 +424,10 @@ def ladder(built: Built, sizes: Sequence[Sequence[int]] | None = None):
     sizes = [tuple(s) for s in (sizes or verification_sizes(cfg))]
     cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
     return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
-                      dummy_images(traced_sizes(cfg), cfg.model.seed), cases, atol=cfg.verify.atol,
-                      rtol=cfg.verify.rtol, max_mismatch=cfg.verify.max_mismatch, providers=cfg.verify.providers)
+                      dummy_images(traced_sizes(cfg), cfg.model.seed), cases,
+                      atol=max(cfg.verify.atol, cfg.verify.pixel_atol),  # inner tensors have no kind: the loosest
+                      rtol=cfg.verify.rtol, max_mismatch=cfg.verify.max_mismatch, providers=cfg.verify.providers,
+                      output_tolerances=_output_tolerances(built))
 
 
 def _ladder(built: Built) -> dict:

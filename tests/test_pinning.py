@@ -7,6 +7,7 @@ eager PyTorch, the independent side, never sees them.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,36 +104,56 @@ def test_float16_graph_with_ties_passes_by_pinning(tmp_path):
     assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"]
 
 
-# --- wrong graphs are refused, ties or not ---------------------------------------------------------------------------
+# --- wrong graphs are refused, ties or not; the parity ladder names the faulty module ---------------------------------
 
 def _refused(built) -> str:
     with pytest.raises(VerificationError) as error:
         pipeline.export(built.cfg, built=built)
+    assert not list(Path(built.cfg.export.output_dir).glob("*.onnx"))  # nothing written
     return str(error.value)
 
 
-def test_real_divergence_that_looks_like_a_tie_is_refused(tmp_path, no_ladder):
+def _culprit(message: str) -> str:
+    found = re.search(r"the parity ladder's first diverging module: (\S+) at", message)
+    assert found, message
+    return found.group(1)
+
+
+def test_real_divergence_that_looks_like_a_tie_is_refused(tmp_path):
     built = _built("textdet_tiny", tmp_path)
     plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=3 * QUANTUM)
     message = _refused(built)
     assert "past the near-tie bound" in message
+    assert _culprit(message) == "model." + FAMILIES["textdet_tiny"]
 
 
-def test_a_wrong_constant_after_the_selection_is_refused_even_with_a_tie(tmp_path, no_ladder):
+def test_a_wrong_constant_after_the_selection_is_refused_even_with_a_tie(tmp_path):
     built = _built("textdet_tiny", tmp_path)
     plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=1e-7)
     while_tracing(_module(built, "testr.transformer.bbox_embed"), lambda out: out + 0.05)
     message = _refused(built)
     assert "still disagree" in message
+    assert _culprit(message) == "model.testr.transformer.bbox_embed"  # seen through the tie
 
 
-def test_a_perturbed_score_picked_far_outside_the_noise_is_refused(tmp_path, no_ladder):
+def test_a_perturbed_score_picked_far_outside_the_noise_is_refused(tmp_path):
     built = _built("textdet_tiny", tmp_path)
     # the graph lifts eager's lowest-scoring proposal to the top: a pick no float noise explains
     while_tracing(_module(built, FAMILIES["textdet_tiny"]),
                   lambda out: out + 50.0 * (out == out.min(dim=1, keepdim=True).values).to(out.dtype))
     message = _refused(built)
     assert "past the near-tie bound" in message
+    assert _culprit(message) == "model." + FAMILIES["textdet_tiny"]
+
+
+def test_a_tie_alone_is_reported_as_a_tie_by_the_ladder(tmp_path):
+    built = _built("textdet_tiny", tmp_path)
+    plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=1e-7)
+    report = pipeline.ladder(built)
+    assert report.culprit() is None
+    assert any(c.ties and c.ties[0].positions > 0 for c in report.cases)
+    text = report.format()
+    assert "a near-tie, not a fault" in text and "no module diverges at any size" not in text
 
 
 def test_a_selection_off_by_one_is_refused(tmp_path, no_ladder, monkeypatch):
@@ -149,7 +170,7 @@ def test_a_selection_off_by_one_is_refused(tmp_path, no_ladder, monkeypatch):
     assert "does not select what eager selects" in message
 
 
-def test_two_outputs_swapped_are_refused_even_with_a_tie(tmp_path, no_ladder):
+def test_two_outputs_swapped_are_refused_even_with_a_tie(tmp_path):
     built = _built("textdet_tiny", tmp_path)
     plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=1e-7)
     decode = built.adapter.decode
@@ -162,7 +183,8 @@ def test_two_outputs_swapped_are_refused_even_with_a_tie(tmp_path, no_ladder):
 
     built.adapter.decode = swapping
     message = _refused(built)
-    assert "still disagree" in message or "not a tie" in message
+    assert "still disagree" in message
+    assert _culprit(message) == "(outputs)"  # the head agrees through the tie; the adapter's outputs do not
 
 
 # --- the mechanism, on a small two-stage module ------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from d2export.exporting import near_ties, pinning
 from d2export.exporting.onnx_export import export_onnx
 from d2export.exporting.verify import difference
 from d2export.runtime import custom_ops
@@ -174,6 +175,7 @@ class CaseReport:
     rows: list[Row] = field(default_factory=list)
     error: str | None = None  # onnxruntime failed to run the graph
     error_module: str | None = None  # the module owning the failing node
+    ties: list = field(default_factory=list)  # pinning.Pick: near-tied selections the graph made otherwise (imposed)
 
     @property
     def first(self) -> Row | None:
@@ -253,6 +255,7 @@ class LadderReport:
                        + f" (atol {self.atol:g}, rtol {self.rtol:g})")
             if case.error:
                 out.append(f"onnxruntime failed in {case.error_module or '?'}: {case.error}")
+            out += [f"the graph's near-tied pick imposed on eager: {_tie(p)}" for p in case.ties]
             rows = case.rows
             if not all_rows and case.first is not None:
                 rows = rows[:rows.index(case.first) + 4]
@@ -266,13 +269,22 @@ class LadderReport:
         for c in self.culprits():
             groups.setdefault((c.module, c.call, c.failed, c.new_at_size, c.new_on_image), []).append(c)
         out += [str(replace(cs[0], case=", ".join(c.case for c in cs))) for cs in groups.values()]
-        return "\n".join(out if groups else out + ["no module diverges at any size"])
+        if not groups:
+            tied = [f"{c.name}: {_tie(p)}" for c in self.cases for p in c.ties]
+            out += (["a near-tie, not a fault: with the graph's picks imposed on eager, no module diverges"]
+                    + [f"  {line}" for line in tied]) if tied else ["no module diverges at any size"]
+        return "\n".join(out)
 
     def to_dict(self) -> dict:
         culprit = self.culprit()
         return {"diverged": culprit is not None, "culprit": None if culprit is None else asdict(culprit),
                 "cases": [{"name": c.name, "error": c.error, "error_module": c.error_module,
-                           "first": None if c.first is None else asdict(c.first)} for c in self.cases]}
+                           "first": None if c.first is None else asdict(c.first),
+                           "ties": [asdict(p) for p in c.ties]} for c in self.cases]}
+
+
+def _tie(p) -> str:
+    return f"{p.node}, {p.positions} slot{'s' if p.positions != 1 else ''} (largest gap {p.gap:.2g}, bound {p.bound:.2g})"
 
 
 # ------------------------------------------------------------------------------------------------------ comparison
@@ -309,10 +321,13 @@ def module_of_node(message: str, root: nn.Module | None = None) -> str | None:
 def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager], export_images: Sequence[np.ndarray],
                cases: Mapping[str, Sequence[np.ndarray]] = (), *, rungs: Sequence[str] | None = None,
                atol: float = 1e-3, rtol: float = 1e-3, max_mismatch: float = 1e-3,
-               providers: Sequence[str] = ("CPUExecutionProvider",)) -> LadderReport:
+               providers: Sequence[str] = ("CPUExecutionProvider",),
+               output_tolerances: Mapping[str, tuple[float, float]] | None = None) -> LadderReport:
     """Export `adapter` (as `settings` — exporter, opset, dynamic — say, inside `scope()`) with every rung's output
     as an extra graph output, then compare each against eager PyTorch outside the scope: first on `export_images`,
-    then on every case (name → images). Nothing is written outside a temporary directory."""
+    then on every case (name → images). Rows compare within `atol`, `rtol`; the adapter's own outputs within
+    `output_tolerances[name]` where given (verification's, by kind). Nothing is written outside a temporary
+    directory."""
     import onnxruntime as ort
 
     paths = list(default_rungs(adapter) if rungs is None else rungs)
@@ -332,38 +347,51 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
                              opset=settings.opset, exporter=settings.exporter)
         options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(result.path))
         options.log_severity_level = 3  # a run that fails is reported below, not logged twice
-        session = ort.InferenceSession(str(result.path), options, providers=list(providers))
+        session, selections = near_ties.selecting_session(result.path, options, providers)
     warns = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in result.tracer_warnings]
     report = LadderReport([], probe.sources, {}, list(dict.fromkeys(warns)), result.node_count, atol, rtol)
     export_name = "export input " + "+".join(f"{im.shape[-2]}x{im.shape[-1]}" for im in export_images)
     for name, images in [(export_name, export_images), *dict(cases).items()]:
-        report.cases.append(_run_case(name, adapter, paths, session, names, keys, images, report,
-                                      atol, rtol, max_mismatch))
+        report.cases.append(_run_case(name, adapter, paths, (session, selections), names, keys, images, report,
+                                      atol, rtol, max_mismatch, dict(output_tolerances or {})))
     return report
 
 
-def _run_case(name, adapter, paths, session, names, keys, images, report, atol, rtol, max_mismatch) -> CaseReport:
+def _run_case(name, adapter, paths, graph_session, names, keys, images, report, atol, rtol, max_mismatch,
+              output_tolerances) -> CaseReport:
+    """The graph first, then eager with the graph's near-tied TopK picks imposed (exporting/pinning.py): past a
+    selection that differs only by float noise, rows compare like for like, so a real fault downstream is still
+    named at its module and a tie alone is reported as one."""
+    session, selections = graph_session
     case = CaseReport(name, [tuple(im.shape[-2:]) for im in images])
-    with torch.no_grad(), Recorder(adapter, paths) as eager:  # outside the scope: the model's own code
+    feeds = graph_inputs(adapter, images)
+    used = {i.name for i in session.get_inputs()}  # the exporter drops inputs the graph never reads
+    try:
+        values, picks = pinning.graph_picks(session, selections, [o.name for o in session.get_outputs()],
+                                            {k: v for k, v in feeds.items() if k in used})
+    except Exception as e:  # noqa: BLE001 - a graph that fails at this size is a finding, not a crash
+        values, picks = None, []
+        case.error, case.error_module = str(e).strip().splitlines()[0], module_of_node(str(e), adapter)
+    with torch.no_grad(), pinning.pinned_topk(picks, near_ties.CLOSE["float32"]) as pinner, \
+            Recorder(adapter, paths) as eager:  # outside the export scope: the model's own code
         adapter(*torch_inputs(adapter, images))
+    case.ties = [p for p in pinner.found if p.tied]
     for path, src in eager.sources.items():
         report.model_sources.setdefault(path, src)
-    try:
-        feeds = graph_inputs(adapter, images)
-        used = {i.name for i in session.get_inputs()}  # the exporter drops inputs the graph never reads
-        graph = dict(zip(keys, session.run(names, {k: v for k, v in feeds.items() if k in used})))
-    except Exception as e:  # noqa: BLE001 - a graph that fails at this size is a finding, not a crash
-        case.error, case.error_module = str(e).strip().splitlines()[0], module_of_node(str(e), adapter)
+    if values is None:
         return case
-    outputs = {f"[{i}]": f" {n}" for i, n in enumerate(adapter.output_names)}
+    graph = {key: values[n] for key, n in zip(keys, names)}
+    outputs = {f"[{i}]": n for i, n in enumerate(adapter.output_names)}
     for (path, call, where), t in eager.records.items():
         expected = t.numpy()
-        part = outputs.get(where, where) if path == "" else where  # the adapter's outputs by their graph names
+        output = outputs.get(where) if path == "" else None  # the adapter's outputs by their graph names
+        part = f" {output}" if output else where
+        tolerance = output_tolerances.get(output, (atol, rtol))
         actual = graph.get((path, call, where))
         if actual is None:
             case.rows.append(Row(path, call, part, list(expected.shape), 0.0, 0.0, None, True, "not in the graph"))
             continue
-        max_abs, max_rel, first, ok = compare(expected, actual, atol, rtol, max_mismatch)
+        max_abs, max_rel, first, ok = compare(expected, actual, *tolerance, max_mismatch)
         note = "" if expected.shape == actual.shape else f"onnx shape {list(actual.shape)}"
         case.rows.append(Row(path, call, part, list(expected.shape), max_abs, max_rel, first, ok, note))
     return case

@@ -48,7 +48,7 @@ def attribute(node, name: str, default: int) -> int:
     return next((a.i for a in node.attribute if a.name == name), default)
 
 
-def selecting_session(model_path: str | Path, session_options=None):
+def selecting_session(model_path: str | Path, session_options=None, providers=("CPUExecutionProvider",)):
     """A verification copy of the graph whose outputs also carry every top-level TopK's candidates, values and
     indices (the written model is not touched): (onnxruntime session, the TopK nodes in graph order)."""
     import onnx
@@ -56,8 +56,6 @@ def selecting_session(model_path: str | Path, session_options=None):
 
     model = onnx.load(str(model_path))
     nodes = [n for n in model.graph.node if n.op_type == "TopK"]
-    if not nodes:
-        return None, []
     typed = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
     known = {o.name for o in model.graph.output}
     wanted = {node.input[0]: onnx.TensorProto.FLOAT for node in nodes}
@@ -68,16 +66,16 @@ def selecting_session(model_path: str | Path, session_options=None):
             model.graph.output.append(typed.get(name) or onnx.helper.make_tensor_value_info(name, dtype, None))
     options = session_options or ort.SessionOptions()
     options.log_severity_level = 3  # the warnings were shown when the graph itself was checked
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
     return session, nodes
 
 
 def selections(model_path: str | Path, cases, session_options=None, precision: str = "float32") -> list[Selection]:
     """Every TopK of the graph's top level, on every case: the gaps around and inside what it selected (per batch row
     and selection, the worst)."""
-    session, nodes = selecting_session(model_path, session_options)
-    if not nodes:
+    if not has_topk(model_path):
         return []
+    session, nodes = selecting_session(model_path, session_options)
     names = [o.name for o in session.get_outputs()]
     found = []
     for case in cases:
@@ -89,6 +87,13 @@ def selections(model_path: str | Path, cases, session_options=None, precision: s
             found.append(_gaps(node.name or node.output[0], case.name, candidates, k, attribute(node, "largest", 1),
                                CLOSE[precision]))
     return found
+
+
+def has_topk(model_path: str | Path) -> bool:
+    """Whether the graph makes any TopK selection at its top level."""
+    import onnx
+
+    return any(n.op_type == "TopK" for n in onnx.load(str(model_path), load_external_data=False).graph.node)
 
 
 def _gaps(node: str, case: str, candidates: np.ndarray, k: int, largest: int, close: float) -> Selection:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -68,8 +68,25 @@ def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol
     return Comparison(case, name, list(shape), d.max_abs, d.max_rel, d.mismatch, d.ok)
 
 
+KINDS = ("probabilities", "logits", "masks", "pixels", "ids")
+
+
+def tolerances_by_kind(atol: float, rtol: float, pixel_atol: float) -> dict[str, tuple[float, float]]:
+    """(atol, rtol) per kind of output: coordinates in pixels get their own absolute tolerance, ids must match (a
+    fraction `max_mismatch` of them may flip on near-ties), everything else gets `atol`."""
+    return {"probabilities": (atol, rtol), "logits": (atol, rtol), "masks": (atol, rtol), "pixels": (pixel_atol, rtol),
+            "ids": (0.0, 0.0)}
+
+
+def output_tolerances(names: Sequence[str], kinds: Mapping[str, str],
+                      by_kind: Mapping[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Each output's (atol, rtol) from its kind (`Family.output_kinds`; an output not listed counts as logits)."""
+    return {n: by_kind[kinds.get(n, "logits")] for n in names}
+
+
 def run_cases(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
-              max_mismatch: float = 1e-3, sorted_by: str | None = None) -> list[Comparison]:
+              max_mismatch: float = 1e-3, sorted_by: str | None = None,
+              per_output: Mapping[str, tuple[float, float]] | None = None) -> list[Comparison]:
     """Every case through the session, every output compared (`compare_case`)."""
     from d2export.progress import steps
 
@@ -77,20 +94,23 @@ def run_cases(session, output_names: Sequence[str], cases: Sequence[Case], atol:
     for case in steps(cases, "verifying"):
         actual = dict(zip(output_names, session.run(list(output_names), case.inputs)))
         results += compare_case(case.name, dict(zip(output_names, case.expected)), actual, atol, rtol, max_mismatch,
-                                sorted_by)
+                                sorted_by, per_output)
     return results
 
 
 def compare_case(case: str, expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], atol: float,
-                 rtol: float, max_mismatch: float = 1e-3, sorted_by: str | None = None) -> list[Comparison]:
-    """Every output of one case. `sorted_by`: the graph's outputs are detections sorted by that output
-    (descending), so slots whose values tie may come in either order: that output is compared slot by slot as it
-    is, the others after matching each expected detection to the actual slot that holds it."""
+                 rtol: float, max_mismatch: float = 1e-3, sorted_by: str | None = None,
+                 per_output: Mapping[str, tuple[float, float]] | None = None) -> list[Comparison]:
+    """Every output of one case, within `per_output[name]` = (atol, rtol) where given, else `atol`, `rtol`.
+    `sorted_by`: the graph's outputs are detections sorted by that output (descending), so slots whose values tie
+    may come in either order: that output is compared slot by slot as it is, the others after matching each
+    expected detection to the actual slot that holds it."""
     order = None
     if sorted_by in actual and actual[sorted_by].shape == expected[sorted_by].shape:
         order = match_slots(expected, actual, sorted_by)
-    return [compare(case, name, e, actual[name] if name == sorted_by else reordered(actual[name], order), atol, rtol,
-                    max_mismatch) for name, e in expected.items()]
+    tolerance = dict(per_output or {})
+    return [compare(case, name, e, actual[name] if name == sorted_by else reordered(actual[name], order),
+                    *tolerance.get(name, (atol, rtol)), max_mismatch) for name, e in expected.items()]
 
 
 def reordered(actual: np.ndarray, order: np.ndarray | None) -> np.ndarray:

@@ -46,6 +46,9 @@ class Family:
         "images": "uint8 pixels [N, 3, H, W] in the manifest's input_format, resized as preprocess says, zero-padded",
         "image_sizes": "int64 [N, 2]: each image's height and width before padding"}
     output_docs: dict[str, str] = {}
+    # graph output name → the kind of value it holds ("pixels", "probabilities", "logits", "ids", "masks"), which
+    # picks its verification tolerance (verify.output_tolerances); an output not listed counts as logits
+    output_kinds: dict[str, str] = {}
     # the output the detections are sorted by (descending), where they are: tied slots may swap in verification
     sorted_by: str | None = None
     # seeded random weights only (never a checkpoint): parameter-name fragment → factor, for heads whose random

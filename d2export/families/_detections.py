@@ -27,6 +27,9 @@ OUTPUT_DOCS = {
     "sem_seg": "semantic segmentation logits over the input image (stuff classes, then 'things' as 0)",
 }
 
+OUTPUT_KINDS = {"boxes": "pixels", "scores": "probabilities", "labels": "ids", "masks": "masks",
+                "keypoints": "pixels", "sem_seg": "logits"}  # keypoint scores ride with their coordinates
+
 
 def detection_postprocess(cfg, score_threshold: float, num_classes: str = "roi_heads") -> dict[str, Any]:
     """The manifest's post-processing: the model's own score threshold (the graph keeps every score), the mask
@@ -81,6 +84,7 @@ def detection_instances(outputs: dict[str, np.ndarray], index: int, input_hw: tu
 class Detectron2Detections(Family):
     """detectron2's own detectors: detections sorted by score, documented and post-processed alike."""
     output_docs = OUTPUT_DOCS
+    output_kinds = OUTPUT_KINDS
     sorted_by = "scores"
     # random box deltas throw boxes out of the picture, a random RetinaNet classifier scores every anchor 1.0 (a
     # thousand exact ties in its TopK), random keypoint logits in the thousands make detectron2's own decoding assert

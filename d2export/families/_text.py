@@ -27,6 +27,10 @@ OUTPUT_DOCS = {
 }
 
 
+OUTPUT_KINDS = {"scores": "probabilities", "labels": "ids", "ctrl_points": "pixels", "bd_points": "pixels",
+                "char_ids": "ids", "char_scores": "probabilities", "text_logits": "logits"}
+
+
 def scores_labels(pred_logits):
     """[N, K, P, C] control-point logits → ([N, K] scores, [N, K] labels), as the models' inference() does."""
     return pred_logits.mean(-2).sigmoid().max(-1)
@@ -106,6 +110,7 @@ class TextSpotter(Family):
     head: tuple[str, ...] = ()
     priority = 20
     output_docs = OUTPUT_DOCS
+    output_kinds = OUTPUT_KINDS
 
     def missing(self, model):
         return lacks(model, self.head)

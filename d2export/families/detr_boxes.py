@@ -26,6 +26,7 @@ OUTPUTS = ("boxes", "scores", "labels")
 OUTPUT_DOCS = {"boxes": "x0, y0, x1, y1 in input-image pixels",
                "scores": "sigmoid class probabilities, the model's own top K over queries x classes, descending",
                "labels": "their class indices"}
+OUTPUT_KINDS = {"boxes": "pixels", "scores": "probabilities", "labels": "ids"}
 SCORE_THRESHOLD = 0.5  # detrex's demo default; the graph itself keeps all K
 
 
@@ -34,6 +35,7 @@ class DetrBoxes(Family):
     summary = "detrex DETR box detectors (Deformable-DETR, DINO, …): top-K boxes, scores, labels"
     priority = 40
     output_docs = OUTPUT_DOCS
+    output_kinds = OUTPUT_KINDS
     sorted_by = "scores"
 
     def missing(self, model):
