@@ -9,9 +9,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from d2export.config import ModelConfig, PluginConfig, UserError  # noqa: F401 - UserError: raised here, caught by callers
+from d2export.config import ModelConfig, PluginConfig, lazy_config_path
+from d2export.config import UserError  # noqa: F401 - raised here, caught by callers
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +62,12 @@ def load_config(model: ModelConfig, root: Path) -> Any:
         return load_d2_config(model, root)
     from d2export import lazyconfig
 
+    path = lazy_config_path(root, model.lazy_config)
+    if path != root / model.lazy_config:
+        log.warning("model.lazy_config=%s: no such file; using %s, the one file of that name nearby", model.lazy_config,
+                    path)
     try:
-        return lazyconfig.load(root / model.lazy_config, model.lazy_overrides)
+        return lazyconfig.load(path, model.lazy_overrides)
     except lazyconfig.LazyConfigError as e:
         raise UserError(str(e)) from e
 
@@ -120,10 +126,13 @@ def build_model(model: ModelConfig, d2cfg: Any, root: Path) -> tuple[torch.nn.Mo
     return net, load_weights(net, model, root)
 
 
-def condition_seeded(net: torch.nn.Module, weights: dict, scales: dict[str, float]) -> dict:
-    """Seeded random weights made to look like a model's: each parameter whose name holds a fragment of `scales`
-    multiplied by its factor. A checkpoint is never touched. Returns the manifest's weights record."""
-    if weights.get("path") is not None or not scales:
+def condition_seeded(net: torch.nn.Module, weights: dict, scales: dict[str, float], image=None) -> dict:
+    """Seeded random weights made to look like a model's (a checkpoint is never touched): each parameter whose name
+    holds a fragment of `scales` multiplied by its factor; with `image` (CHW uint8), every normalisation layer with
+    fixed statistics rescaled so that, on that picture, its output has zero mean and unit deviation as a trained
+    network's has (a random ResNet-50's activations grow into the thousands, and float noise with them). Returns
+    the manifest's weights record."""
+    if weights.get("path") is not None:
         return weights
     scaled = []
     with torch.no_grad():
@@ -132,11 +141,36 @@ def condition_seeded(net: torch.nn.Module, weights: dict, scales: dict[str, floa
             if factor is not None:
                 p.mul_(factor)
                 scaled.append(name)
-    if not scaled:
+    normalised = _normalise_norms(net, image) if image is not None else []
+    if not scaled and not normalised:
         return weights
-    log.info("seeded weights conditioned (%s): %d parameters", ", ".join(f"{k} x{v:g}" for k, v in scales.items()),
-             len(scaled))
-    return weights | {"kind": "seeded (conditioned)", "conditioned": scaled}
+    log.info("seeded weights conditioned: %d parameters scaled (%s), %d normalisation layers set to unit outputs",
+             len(scaled), ", ".join(f"{k} x{v:g}" for k, v in scales.items()), len(normalised))
+    return weights | {"kind": "seeded (conditioned)", "conditioned": scaled, "normalised": normalised}
+
+
+def _normalise_norms(net: torch.nn.Module, image) -> list[str]:
+    """One eval forward of `image` through detectron2's interface; each FrozenBatchNorm2d / eval BatchNorm2d, as it
+    runs, gets its affine weight and bias rescaled so its output on this picture is standardised (and passes the
+    standardised output on, so the layers after it are set on what they will see)."""
+    from detectron2.layers import FrozenBatchNorm2d
+
+    norms = [(n, m) for n, m in net.named_modules() if isinstance(m, (FrozenBatchNorm2d, torch.nn.BatchNorm2d))]
+
+    def standardise(module, _, out):
+        mean, std = out.mean(), out.std().clamp_min(1e-6)
+        module.weight.div_(std)
+        module.bias.sub_(mean).div_(std)
+        return (out - mean) / std
+
+    handles = [m.register_forward_hook(standardise) for _, m in norms]
+    try:
+        with torch.no_grad():
+            net([{"image": torch.from_numpy(np.ascontiguousarray(image)).float()}])
+    finally:
+        for h in handles:
+            h.remove()
+    return [n for n, _ in norms]
 
 
 def load_weights(net: torch.nn.Module, model: ModelConfig, root: Path) -> dict:

@@ -101,7 +101,7 @@ def export_main(argv: list[str] | None = None) -> int:
                 "Nothing is written at the destination unless every step passed.", export_epilog())
     ap.add_argument("--config", default="textdet", help="config name in configs/ or a YAML path")
     ap.add_argument("-m", "--multirun", action="store_true", help="sweep over comma-separated override values")
-    ap.add_argument("--traceback", action="store_true", help="show full tracebacks on errors")
+    ap.add_argument("--traceback", "--verbose", action="store_true", help="show full tracebacks on errors")
     for flag, kwargs in HYDRA_FLAGS.items():
         ap.add_argument(flag, **kwargs)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. export.opset=16 export.sampler=grid_sample")

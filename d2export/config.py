@@ -195,9 +195,23 @@ def check_files(cfg: D2ExportConfig, root: Path) -> None:
     named += [(f"model.sys_path[{i}]", p) for i, p in enumerate(m.sys_path)]
     for key, value in named:
         zoo = key == "model.d2_config"
+        if key == "model.lazy_config" and lazy_config_path(root, value).exists():
+            continue
         if not (root / value).exists() and not (zoo and in_model_zoo(value)):
             raise ConfigError(f"{key}={value}: no such file or folder (relative paths start at {root})"
                               + (", nor a config in detectron2's model zoo" if zoo else ""))
+
+
+def lazy_config_path(root: Path, value: str) -> Path:
+    """`model.lazy_config` as given, or, where that file is missing, the one file of that name in the nearest folder
+    above it that exists: releases move configs between folders (detrex's DINO went from projects/dino/configs/ to
+    projects/dino/configs/dino-resnet/), and a path written for one release should find it in another."""
+    path = root / value
+    if path.exists():
+        return path
+    above = next((p for p in path.parents if p.is_dir()), None)
+    found = sorted(above.rglob(path.name)) if above is not None and above != root.resolve() and above != root else []
+    return found[0] if len(found) == 1 else path
 
 
 def in_model_zoo(name: str) -> bool:

@@ -6,8 +6,11 @@ Torch is imported only by `build`; the readers take whatever `LazyConfig.load` r
 """
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
+from unittest import mock
 
 
 class LazyConfigError(ValueError):
@@ -27,7 +30,8 @@ def load(path: Path, overrides: Sequence[str] = ()) -> Any:
     if not path.is_file():
         raise LazyConfigError(f"model.lazy_config: no such file: {path}")
     try:
-        cfg = LazyConfig.load(str(path))
+        with checkout_configs(path):
+            cfg = LazyConfig.load(str(path))
         cfg = LazyConfig.apply_overrides(cfg, list(overrides))
     except Exception as e:  # noqa: BLE001 - the config is user code: any failure is the user's to fix
         raise LazyConfigError(f"model.lazy_config {path.name}: {type(e).__name__}: {e}".replace("\n", " ")) from e
@@ -36,6 +40,35 @@ def load(path: Path, overrides: Sequence[str] = ()) -> Any:
     if "device" in cfg.model:  # detrex models default to "cuda"; export runs on the CPU
         cfg.model.device = "cpu"
     return cfg
+
+
+@contextlib.contextmanager
+def checkout_configs(path: Path) -> Iterator[None]:
+    """detrex's `get_config(name)` reads `detrex/config/configs/<name>`: a link to the checkout's top-level `configs/`
+    that detrex's setup.py makes at install. A clone used as cloned has no link. While a LazyConfig inside a detrex
+    checkout loads, a name missing there is read from the checkout's own `configs/`; where the link exists, and for
+    every other config, nothing changes."""
+    checkout = next((p / "configs" for p in path.resolve().parents if (p / "detrex" / "config").is_dir()), None)
+    if checkout is None or not checkout.is_dir():
+        yield
+        return
+    import detrex.config  # the config file imports it as it loads: importing it first changes nothing
+    from detectron2.config import LazyConfig
+
+    package = Path(detrex.config.__file__).resolve().parent
+    original = detrex.config.get_config
+
+    def get_config(config_path):
+        if (package / "configs" / config_path).exists() or not (checkout / config_path).is_file():
+            return original(config_path)
+        return LazyConfig.load(str(checkout / config_path))
+
+    holders = [m for name, m in list(sys.modules.items()) if name.startswith("detrex.config")
+               and getattr(m, "get_config", None) is original]
+    with contextlib.ExitStack() as stack:
+        for module in holders:
+            stack.enter_context(mock.patch.object(module, "get_config", get_config))
+        yield
 
 
 def build(cfg: Any):

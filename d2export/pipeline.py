@@ -31,6 +31,7 @@ from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
 from d2export.manifest import Manifest, embed_manifest, graph_specs, manifest_path, sha256_file, staged
 from d2export.runtime import custom_ops
+from d2export.stages import stage
 from d2export.tracing import dummy_images, graph_inputs, torch_inputs
 
 log = logging.getLogger("d2export")
@@ -56,10 +57,12 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     root = Path(root or os.getcwd())
     check_files(cfg, root)
     _step(1, "importing user code", ", ".join(cfg.model.imports) or "-")
-    building.import_user_code(cfg.model, cfg.plugin, root)
+    with stage("import"):
+        building.import_user_code(cfg.model, cfg.plugin, root)
     _step(2, "building the model", cfg.model.lazy_config or cfg.model.d2_config)
-    d2cfg = building.load_config(cfg.model, root)
-    model, weights = building.build_model(cfg.model, d2cfg, root)
+    with stage("build"):
+        d2cfg = building.load_config(cfg.model, root)
+        model, weights = building.build_model(cfg.model, d2cfg, root)
     swapped = msda_swap.swap(model) if cfg.plugin.swap_msda else []
     log.info("MSDA modules swapped for the traceable core: %d", len(swapped))
     try:
@@ -67,10 +70,12 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     except families.FamilyError as e:
         raise building.UserError(f"model.family={cfg.model.family}: {e}") from None
     log.info("model family: %s (%s)", family.name, family.summary)
-    weights = building.condition_seeded(model, weights, family.seeded_scales)
-    options = families.AdapterOptions(example=dummy_images(cfg.export.dummy_sizes, cfg.model.seed),
-                                      text_logits=cfg.export.text_logits)
-    adapter = family.adapter(model, d2cfg, options).eval()
+    example = dummy_images(cfg.export.dummy_sizes, cfg.model.seed)
+    with stage("build"):
+        weights = building.condition_seeded(model, weights, family.seeded_scales,
+                                            example[0] if family.seeded_norms else None)
+        options = families.AdapterOptions(example=example, text_logits=cfg.export.text_logits)
+        adapter = family.adapter(model, d2cfg, options).eval()
     return Built(cfg, d2cfg, model, family, adapter, swapped, weights)
 
 
@@ -187,7 +192,8 @@ def _export(cfg: D2ExportConfig, root: Path | None, final: Path, built: Built | 
     cases = []
     if cfg.verify.enabled:
         _step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
-        cases = verification_cases(built)  # eager, before any export-time patch: the independent side
+        with stage("verify"):
+            cases = verification_cases(built)  # eager, before any export-time patch: the independent side
     args = torch_inputs(adapter, dummy_images(traced_sizes(cfg), cfg.model.seed))
     axes = adapter.dynamic_axes if e.dynamic else None
     with contextlib.ExitStack() as publish:  # the manifest is staged outside the model: renamed after it
@@ -195,7 +201,7 @@ def _export(cfg: D2ExportConfig, root: Path | None, final: Path, built: Built | 
         with staged(final, suffix=".staged.onnx") as staged_model:
             with export_scope(built) as report:
                 _step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
-                with progress.busy(f"exporting ({e.exporter})"):
+                with progress.busy(f"exporting ({e.exporter})"), stage("export"):
                     result = export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
                                          output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
                                          exporter=e.exporter, simplify=e.simplify)
@@ -205,10 +211,11 @@ def _export(cfg: D2ExportConfig, root: Path | None, final: Path, built: Built | 
             log.info("patches applied:\n%s", report)
             if lint is not None:
                 log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
-            verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
-                            else {"passed": None})
-            if e.fp16:
-                verification["fp16"] = _to_fp16(cfg, staged_model, adapter.output_names, cases, built)
+            with stage("verify"):
+                verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
+                                else {"passed": None})
+                if e.fp16:
+                    verification["fp16"] = _to_fp16(cfg, staged_model, adapter.output_names, cases, built)
             _fault_point("verified")
             manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
             manifest.write(staged_manifest)

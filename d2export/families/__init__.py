@@ -54,6 +54,9 @@ class Family:
     # seeded random weights only (never a checkpoint): parameter-name fragment → factor, for heads whose random
     # initialisation is degenerate as no trained model is (every score saturated to 1.0, boxes thrown off the picture)
     seeded_scales: dict[str, float] = {}
+    # seeded random weights only: standardise the outputs of normalisation layers with fixed statistics on the dummy
+    # picture (building.condition_seeded), where random deep backbones blow activations (and float noise) up
+    seeded_norms: bool = False
 
     # export side (torch may be imported inside these) ------------------------------------------------------------
     def missing(self, model) -> str | None:
@@ -134,8 +137,11 @@ def recognise(model, requested: str = AUTO) -> Family:
             return family
         misses.append(f"{family.name}: {lacks}")
     what = type(model).__name__
-    raise FamilyError(f"{what} is not a model of family {requested!r} ({misses[0]})" if requested != AUTO else
-                      f"no model family fits {what}: " + "; ".join(misses))
+    if requested == AUTO:
+        raise FamilyError(f"no model family fits {what}: " + "; ".join(misses))
+    fits = next((f.name for f in families() if f.name != requested and f.missing(model) is None), None)
+    hint = f"; family {fits!r} fits it: model.family={fits}" if fits else "; no other family fits it either"
+    raise FamilyError(f"{what} is not a model of family {requested!r} ({misses[0]}){hint}")
 
 
 def _has(obj, dotted: str) -> bool:

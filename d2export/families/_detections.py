@@ -86,9 +86,13 @@ class Detectron2Detections(Family):
     output_docs = OUTPUT_DOCS
     output_kinds = OUTPUT_KINDS
     sorted_by = "scores"
-    # random box deltas throw boxes out of the picture, a random RetinaNet classifier scores every anchor 1.0 (a
-    # thousand exact ties in its TopK), random keypoint logits in the thousands make detectron2's own decoding assert
-    seeded_scales = {"bbox_pred": 0.01, "head.cls_score.weight": 0.01, "keypoint_head.score_lowres": 0.01}
+    # random box deltas throw boxes out of the picture; RetinaNet's classifier tower (std-0.01 convolutions) shrinks
+    # every logit to its prior, so all anchors score alike (a thousand near-ties per TopK): its convolutions get a
+    # gain of about one and its logits a spread of about one; random keypoint logits in the thousands make
+    # detectron2's own decoding assert. A random ResNet's activations grow into the thousands: norms standardised.
+    seeded_scales = {"bbox_pred": 0.01, "head.cls_subnet": 3.0, "head.cls_score.weight": 0.5,
+                     "keypoint_head.score_lowres": 0.01}
+    seeded_norms = True
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
         return detection_instances(outputs, index, input_hw, original_hw, post, threshold)
