@@ -209,8 +209,8 @@ def lazy_config_path(root: Path, value: str) -> Path:
     path = root / value
     if path.exists():
         return path
-    above = next((p for p in path.parents if p.is_dir()), None)
-    found = sorted(above.rglob(path.name)) if above is not None and above != root.resolve() and above != root else []
+    above = next(p for p in path.parents if p.is_dir())
+    found = sorted(above.rglob(path.name)) if above not in (root, root.resolve()) else []
     return found[0] if len(found) == 1 else path
 
 

@@ -186,8 +186,8 @@ def _far(p: Pick) -> str:
 def pin_cases(path, cases, output_names: Sequence[str], rerun, judge, session_options=None,
               precision: str = "float32") -> list[PinnedCase]:
     """`pin_case` for each of `cases` (the failed ones) on the graph at `path`."""
-    if not near_ties.has_topk(path):
-        return [PinnedCase(c.name, why="the graph makes no selection (TopK)") for c in cases]
     session, nodes = near_ties.selecting_session(path, session_options)
+    if not nodes:
+        return [PinnedCase(c.name, why="the graph makes no selection (TopK)") for c in cases]
     names = [o.name for o in session.get_outputs()]
     return [pin_case(c, session, nodes, names, output_names, rerun, judge, precision) for c in cases]

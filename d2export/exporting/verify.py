@@ -81,7 +81,11 @@ def tolerances_by_kind(atol: float, rtol: float, pixel_atol: float) -> dict[str,
 def output_tolerances(names: Sequence[str], kinds: Mapping[str, str],
                       by_kind: Mapping[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
     """Each output's (atol, rtol) from its kind (`Family.output_kinds`; an output not listed counts as logits)."""
-    return {n: by_kind[kinds.get(n, "logits")] for n in names}
+    return {n: by_kind[output_kind(n, kinds)] for n in names}
+
+
+def output_kind(name: str, kinds: Mapping[str, str]) -> str:
+    return kinds.get(name, "logits")
 
 
 def run_cases(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
