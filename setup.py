@@ -56,6 +56,8 @@ setup(
         "dev": ["pytest>=7", "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5"],
         # the fused MSDA operator for onnxruntime on the CPU (export.sampler=fused): its kernel and its registration
         "fused": ["numba>=0.59", "onnxruntime-extensions>=0.15"],
+        # `d2export synth`: OpenCV warps words along their curves and traces the visible outlines of shapes
+        "synth": ["opencv-python-headless>=4.5"],
     },
     entry_points={"console_scripts": ["d2export=d2export.cli:main"]},
 )

@@ -30,6 +30,15 @@ def charset(voc_size: int, custom_dict: str = "") -> list[str]:
     return chars + [UNKNOWN] * (voc_size - len(chars))
 
 
+def encode(text: str, voc_size: int, slots: int) -> list[int]:
+    """Text → `slots` class ids as AdelaiDet's labels hold it (`rec`): a character's index in charset(voc_size),
+    "unknown" (voc_size - 1) for one outside it, then voc_size ("no character") to the end."""
+    if len(text) > slots:
+        raise ValueError(f"{text!r} has {len(text)} characters; the labels hold {slots}")
+    index = {c: i for i, c in enumerate(charset(voc_size)[:voc_size - 1])}
+    return [index.get(c, voc_size - 1) for c in text] + [voc_size] * (slots - len(text))
+
+
 def decode(ids, chars: list[str], ctc: bool = False) -> str:
     """Per-slot class ids → text: ids outside chars mean "no character" and are skipped. With `ctc` (DeepSolo's
     per-point characters) a run of one id reads as one character; a skipped id ends the run."""
