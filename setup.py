@@ -58,6 +58,8 @@ setup(
         "fused": ["numba>=0.59", "onnxruntime-extensions>=0.15"],
         # `d2export synth`: OpenCV warps words along their curves and traces the visible outlines of shapes
         "synth": ["opencv-python-headless>=4.5"],
+        # `d2export evaluate`: polygon areas for the text evaluator (pycocotools comes with detectron2)
+        "eval": ["shapely>=2"],
     },
     entry_points={"console_scripts": ["d2export=d2export.cli:main"]},
 )

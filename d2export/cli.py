@@ -24,6 +24,8 @@ COMMANDS = {
     "triton-repo": ("d2export.runtime:triton_main", "write a Triton Inference Server model repository for a model"),
     "batch": ("d2export.runtime:batch_main", "run an exported model over a picture corpus with Ray Data (resumable)"),
     "diagnose": ("d2export.diagnose:diagnose_main", "name the first module where ONNX and PyTorch part ways"),
+    "evaluate": ("d2export.evaluating.evaluate:evaluate_main",
+                 "a dataset's metrics under PyTorch and each exported model, side by side"),
     "synth": ("d2export.datasets.synth:synth_main", "make a labelled synthetic set (text or boxes) as COCO JSON"),
 }
 

@@ -23,23 +23,35 @@ def load_text(json_file: str, image_root: str, name: str | None = None) -> list[
 
 
 def register(name: str, folder: str | Path) -> str:
-    """Register the set in `folder` as `name` in DatasetCatalog and MetadataCatalog. A box set goes through
-    detectron2's own `register_coco_instances` (COCOEvaluator scores it); a text set keeps its Bezier, boundary
-    and transcription fields and says how they are encoded (voc_size, max_text_len) in its metadata."""
+    """Register the set `d2export synth` wrote in `folder` as `name` (see register_json)."""
+    folder = Path(folder)
+    if not (folder / ANNOTATIONS).is_file():
+        raise FileNotFoundError(f"{folder / ANNOTATIONS} not found: is {folder} a folder `d2export synth` wrote?")
+    return register_json(name, folder / ANNOTATIONS, folder / IMAGES)
+
+
+def is_text_set(coco: dict) -> bool:
+    """A text set: `d2export synth text` says so; any other COCO JSON whose annotations carry transcriptions."""
+    kind = coco.get("info", {}).get("kind")
+    return kind == "text" if kind else any("rec" in a for a in coco.get("annotations", [])[:1])
+
+
+def register_json(name: str, json_file: str | Path, image_root: str | Path) -> str:
+    """Register a COCO JSON as `name` in DatasetCatalog and MetadataCatalog. Boxes and masks go through detectron2's
+    own `register_coco_instances` (COCOEvaluator scores them); a text set keeps its Bezier, boundary and transcription
+    fields and says how they are encoded (voc_size, max_text_len) in its metadata."""
     from detectron2.data import DatasetCatalog, MetadataCatalog
     from detectron2.data.datasets import register_coco_instances
 
-    folder = Path(folder)
-    json_file, image_root = folder / ANNOTATIONS, folder / IMAGES
-    if not json_file.is_file():
-        raise FileNotFoundError(f"{json_file} not found: is {folder} a folder `d2export synth` wrote?")
+    json_file, image_root = str(json_file), str(image_root)
     with open(json_file) as f:
-        info = json.load(f).get("info", {})
-    if info.get("kind") == "text":
-        DatasetCatalog.register(name, lambda: load_text(str(json_file), str(image_root), name))
-        MetadataCatalog.get(name).set(json_file=str(json_file), image_root=str(image_root), evaluator_type="text",
-                                      thing_classes=["text"], voc_size=info["voc_size"],
-                                      max_text_len=info["max_text_len"])
+        coco = json.load(f)
+    if is_text_set(coco):
+        info = coco.get("info", {})
+        DatasetCatalog.register(name, lambda: load_text(json_file, image_root, name))
+        MetadataCatalog.get(name).set(json_file=json_file, image_root=image_root, evaluator_type="text",
+                                      thing_classes=[c["name"] for c in coco.get("categories", [])] or ["text"],
+                                      voc_size=info.get("voc_size", 96), max_text_len=info.get("max_text_len", 25))
     else:
-        register_coco_instances(name, {}, str(json_file), str(image_root))
+        register_coco_instances(name, {}, json_file, image_root)
     return name

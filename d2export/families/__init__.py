@@ -57,6 +57,9 @@ class Family:
     # seeded random weights only: standardise the outputs of normalisation layers with fixed statistics on the dummy
     # picture (building.condition_seeded), where random deep backbones blow activations (and float noise) up
     seeded_norms: bool = False
+    # `d2export evaluate`'s default metric: "coco" (COCOEvaluator: boxes, masks, keypoints) or "text" (d2export's
+    # text spotting evaluator)
+    evaluator: str = "coco"
 
     # export side (torch may be imported inside these) ------------------------------------------------------------
     def missing(self, model) -> str | None:

@@ -109,6 +109,7 @@ class TextSpotter(Family):
     subclasses say how the head's outputs decode (`adapter`) and the manifest's `postprocess`."""
     head: tuple[str, ...] = ()
     priority = 20
+    evaluator = "text"
     output_docs = OUTPUT_DOCS
     output_kinds = OUTPUT_KINDS
 

@@ -1,0 +1,287 @@
+"""`d2export evaluate`: a dataset's accuracy under PyTorch and under each exported model, side by side.
+
+    d2export evaluate MODEL [MODEL …] --dataset NAME|FOLDER [--config CFG [overrides …]] [--max-images N]
+        [--evaluator text|coco|module:Class] [--vis DIR] [--json FILE]
+
+Exit status 0 when it ran (whatever the metrics say), 2 on bad input.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import logging
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+log = logging.getLogger("d2export")
+WORST = 5
+
+
+class EvaluateError(ValueError):
+    """Bad input, said in one line."""
+
+
+# the dataset ----------------------------------------------------------------------------------------------------
+def registered_dataset(name: str) -> str:
+    from detectron2.data import DatasetCatalog
+
+    if name in DatasetCatalog.list():
+        return name
+    folder = Path(name)
+    if (folder / "annotations.json").is_file():  # a folder `d2export synth` wrote
+        from d2export.datasets import register
+
+        dataset = f"d2export:{folder.resolve()}"
+        return dataset if dataset in DatasetCatalog.list() else register(dataset, folder)
+    known = sorted(DatasetCatalog.list())
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise EvaluateError(f"dataset {name!r} is neither registered nor a folder `d2export synth` wrote{hint} "
+                        f"(registered: {', '.join(known)}; --imports names the module that registers yours, "
+                        "or give --coco-json FILE --image-root DIR)")
+
+
+def json_dataset(json_file: str, image_root: str, name: str | None) -> str:
+    from detectron2.data import DatasetCatalog
+
+    from d2export.datasets.catalog import register_json
+
+    try:
+        with open(json_file) as f:
+            json.load(f)
+    except FileNotFoundError:
+        raise EvaluateError(f"--coco-json {json_file}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise EvaluateError(f"--coco-json {json_file}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    if not Path(image_root).is_dir():
+        raise EvaluateError(f"--image-root {image_root}: no such folder")
+    dataset = name or f"d2export:{Path(json_file).resolve()}"
+    return dataset if dataset in DatasetCatalog.list() else register_json(dataset, json_file, image_root)
+
+
+def dataset_records(name: str, max_images: int | None) -> list[dict]:
+    from detectron2.data import DatasetCatalog
+
+    try:
+        records = DatasetCatalog.get(name)
+    except Exception as e:  # noqa: BLE001 - the user's loader or a malformed COCO JSON: said in one line
+        raise EvaluateError(f"dataset {name!r} does not load: {type(e).__name__}: {e}") from None
+    records = records[:max_images] if max_images else records
+    if not records:
+        raise EvaluateError(f"dataset {name!r} has no pictures")
+    missing = [r["file_name"] for r in records if not Path(r["file_name"]).is_file()]
+    if missing:
+        raise EvaluateError(f"dataset {name!r} names {len(missing)} picture(s) that do not exist, e.g. "
+                            f"{', '.join(missing[:3])}")
+    return records
+
+
+# the models -----------------------------------------------------------------------------------------------------
+def model_file(given: str) -> Path:
+    """A model folder (one .onnx with its manifest inside) or the .onnx file itself."""
+    from d2export.manifest import manifest_path
+
+    path = Path(given)
+    if path.is_dir():
+        found = sorted(p for p in path.glob("*.onnx") if manifest_path(p).is_file())
+        if len(found) != 1:
+            raise EvaluateError(f"{given}: expected one exported model (an .onnx with its manifest), found "
+                                f"{len(found)}")
+        return found[0]
+    if path.suffix == ".onnx" and path.is_file():
+        return path
+    raise EvaluateError(f"{given}: not an exported model folder or .onnx file")
+
+
+def check_family(path: Path, family) -> None:
+    from d2export.families import get
+    from d2export.manifest import Manifest, manifest_path
+
+    theirs = get(Manifest.read(manifest_path(path)).family)
+    if theirs.name != family.name:
+        raise EvaluateError(f"{path} is a {theirs.name} model, but --config builds a {family.name} model")
+
+
+# the report -----------------------------------------------------------------------------------------------------
+def table(runs, reference) -> str:
+    names = list(dict.fromkeys(k for r in runs for k in r.metrics))
+    heads = ["metric"] + [f"{r.name} ({r.precision})" if r is not reference else r.name for r in runs]
+    heads += [f"Δ {r.name}" for r in runs if r is not reference]
+    rows = []
+    for k in names:
+        base = reference.metrics.get(k, float("nan"))
+        row = [k] + [f"{r.metrics.get(k, float('nan')):.2f}" for r in runs]
+        row += [f"{r.metrics.get(k, float('nan')) - base:+.2f}" for r in runs if r is not reference]
+        rows.append(row)
+    widths = [max(len(str(c)) for c in col) for col in zip(heads, *rows)]
+    fmt = lambda cells: "  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([fmt(heads), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def compare(reference, run, records) -> dict[str, Any]:
+    """The pictures where `run` found something else than `reference`, the worst first."""
+    from d2export.evaluating.runs import difference
+
+    found = []
+    for i, (a, b) in enumerate(zip(reference.predictions, run.predictions)):
+        d = difference(a, b)
+        if d:
+            found.append((d[0], i, d[1]))
+    found.sort(key=lambda t: (-t[0], t[1]))
+    return {"against": reference.name, "differing_pictures": len(found), "pictures": len(records),
+            "worst": [{"index": i, "picture": records[i]["file_name"], "difference": what}
+                      for _, i, what in found[:WORST]]}
+
+
+def write_vis(folder: Path, reference, run, comparison: dict) -> list[Path]:
+    """`reference | run` pictures of the worst pictures: folder/<run>/<picture>.png."""
+    from d2export.runtime.images import read_image
+    from d2export.runtime.visualize import draw_prediction, side_by_side
+
+    written = []
+    for w in comparison["worst"]:
+        i = w["index"]
+        image = read_image(w["picture"])
+        pair = side_by_side([draw_prediction(image, reference.predictions[i], title=reference.name),
+                             draw_prediction(image, run.predictions[i], title=f"{run.name} ({run.precision})")])
+        out = folder / run.name / (Path(w["picture"]).stem + ".png")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        pair.save(out)
+        written.append(out)
+    return written
+
+
+def atomic_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+# the command ----------------------------------------------------------------------------------------------------
+def evaluate(models: Sequence[str], dataset: str | None = None, config: str | None = None,
+             overrides: Sequence[str] = (), coco_json: str | None = None, image_root: str | None = None,
+             evaluator: str | None = None, imports: Sequence[str] = (), max_images: int | None = None,
+             providers: Sequence[str] = ("cpu",), vis: str | None = None, json_path: str | None = None) -> dict:
+    """Everything `d2export evaluate` does; returns the report (also written to `json_path`)."""
+    import importlib
+
+    from d2export import families
+    from d2export.evaluating.evaluators import build_evaluator
+    from d2export.evaluating.runs import onnx_run, pytorch_run
+    from d2export.manifest import Manifest, manifest_path
+
+    if not models and not config:
+        raise EvaluateError("nothing to evaluate: give exported models, --config, or both")
+    paths = [model_file(m) for m in models]
+    with tempfile.TemporaryDirectory(prefix="d2export-evaluate-") as tmp:
+        built = None
+        if config:
+            from d2export import pipeline
+            from d2export.config import load
+
+            built = pipeline.prepare(load(config, [*overrides, f"export.output_dir={tmp}"]))
+            for path in paths:
+                check_family(path, built.family)
+        for name in imports:
+            importlib.import_module(name)
+        if coco_json or image_root:
+            if not (coco_json and image_root):
+                raise EvaluateError("--coco-json and --image-root go together")
+            name = json_dataset(coco_json, image_root, dataset)
+        elif dataset:
+            name = registered_dataset(dataset)
+        else:
+            raise EvaluateError("which pictures? give --dataset NAME|FOLDER or --coco-json FILE --image-root DIR")
+        records = dataset_records(name, max_images)
+        manifests = [Manifest.read(manifest_path(p)) for p in paths]
+        family = built.family if built else families.get(manifests[0].family)
+        kind = evaluator or family.evaluator
+        outputs = set(built.adapter.output_names) if built else {t.name for m in manifests for t in m.outputs}
+        from detectron2.data import MetadataCatalog
+
+        tasks = ("bbox",) + (("segm",) if "masks" in outputs else ()) + (
+            ("keypoints",) if "keypoints" in outputs and MetadataCatalog.get(name).get("keypoint_names") else ())
+        ids = [r["image_id"] for r in records]
+        d2cfg = built.d2cfg if built else None
+
+        def make(post: dict):
+            return build_evaluator(kind, name, post, tasks, d2cfg, tmp, ids)
+
+        runs = []
+        with contextlib.redirect_stdout(sys.stderr):  # pycocotools prints its tables: stdout keeps the report
+            if built:
+                post = family.postprocess(d2cfg)
+                runs.append(pytorch_run(built.model, records, make(post), family.preprocess(d2cfg), post))
+            for path in paths:
+                runs.append(onnx_run(path, records, make, providers))
+    reference = runs[0]
+    report = {"dataset": name, "pictures": len(records), "evaluator": kind, "tasks": list(tasks),
+              "runs": [{"name": r.name, "precision": r.precision, "model": r.model, "metrics": r.metrics}
+                       for r in runs],
+              "comparisons": [compare(reference, r, records) for r in runs[1:]]}
+    print(table(runs, reference))
+    for c, r in zip(report["comparisons"], runs[1:]):
+        print(f"{r.name}: {c['differing_pictures']} of {c['pictures']} pictures differ from {c['against']}"
+              + "".join(f"\n  {Path(w['picture']).name}: {w['difference']}" for w in c["worst"]))
+        if vis:
+            write_vis(Path(vis), reference, r, c)
+    if json_path:
+        atomic_json(Path(json_path), report)
+    return report
+
+
+def evaluate_main(argv: list[str] | None = None) -> int:
+    from d2export.cli import one_line, parser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = parser("d2export evaluate", "Evaluate a dataset under PyTorch (--config) and each exported model, side by "
+                "side: the evaluator's metrics, their deltas, and the pictures whose detections differ.",
+                "examples:\n"
+                "  d2export evaluate outputs/textdet/run1 --dataset data/synth_text --config textdet\n"
+                "  d2export evaluate fp32/ fp16/ --coco-json val.json --image-root val/ --max-images 200\n"
+                "  d2export evaluate --config rcnn_tiny --dataset my_val --imports my_project.datasets")
+    ap.add_argument("items", nargs="*", metavar="MODEL|OVERRIDE",
+                    help="exported models (folders or .onnx files), and config overrides (key=value) for --config")
+    ap.add_argument("--dataset", default=None, help="a name in detectron2's DatasetCatalog or a folder `d2export "
+                    "synth` wrote; with --coco-json, the name to register it under (default: none)")
+    ap.add_argument("--coco-json", default=None, metavar="FILE", help="a COCO JSON to evaluate on (default: none)")
+    ap.add_argument("--image-root", default=None, metavar="DIR", help="its pictures (default: none)")
+    ap.add_argument("--config", default=None, help="also run the PyTorch model as `d2export export --config` builds "
+                    "it (default: exported models only)")
+    ap.add_argument("--evaluator", default=None, help="text, coco, or module:Class (a detectron2 DatasetEvaluator "
+                    "of yours) (default: the model family's)")
+    ap.add_argument("--imports", default="", help="comma-separated modules to import first, e.g. the one that "
+                    "registers your dataset (default: none)")
+    ap.add_argument("--max-images", type=int, default=0, help="evaluate the first N pictures (default: 0, all)")
+    ap.add_argument("--providers", default="cpu", help="onnxruntime execution providers, comma-separated")
+    ap.add_argument("--vis", default=None, metavar="DIR", help="write reference | model pictures of the worst "
+                    "differing pictures there (default: none)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON (default: none)")
+    ap.add_argument("--traceback", "--verbose", action="store_true", help="show full tracebacks on errors")
+    args = ap.parse_args(argv)
+    overrides = [i for i in args.items if "=" in i]
+    models = [i for i in args.items if "=" not in i]
+    if overrides and not args.config:
+        print(one_line(f"overrides {' '.join(overrides)} need --config"), file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from d2export.building import quiet_imports
+
+    try:
+        with quiet_imports():
+                evaluate(models, args.dataset, args.config, overrides, args.coco_json, args.image_root, args.evaluator,
+                     [m for m in args.imports.split(",") if m], args.max_images or None, args.providers.split(","),
+                     args.vis, args.json)
+    except Exception as e:  # noqa: BLE001 - one line unless --traceback
+        if args.traceback:
+            raise
+        print(one_line(e), file=sys.stderr)
+        return 2
+    return 0

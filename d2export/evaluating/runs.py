@@ -1,0 +1,137 @@
+"""One evaluation run: a model over a dataset's pictures, through an evaluator. The PyTorch run is detectron2's own
+`inference_on_dataset` over the model as export builds it, fed as detectron2's test-time `DatasetMapper` feeds it;
+an exported model's run goes through the serving runtime's `Predictor`, its predictions handed to the same kind of
+evaluator as detectron2 `Instances`. Every run also keeps its predictions (`Prediction`s) for the comparison."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from detectron2.evaluation import DatasetEvaluator, DatasetEvaluators
+
+from d2export.evaluating.convert import to_instances, to_prediction
+from d2export.instances import Prediction
+from d2export.progress import steps
+
+
+@dataclass
+class Run:
+    name: str  # "PyTorch", or the model's folder
+    precision: str  # float32, float16, …
+    metrics: dict[str, float]
+    predictions: list[Prediction] = field(repr=False)
+    model: str = ""
+
+
+def flatten(results: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """An evaluator's nested results → {"bbox/AP": 41.2, …} (numbers only)."""
+    flat = {}
+    for key, value in (results or {}).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "/"))
+        elif isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+            flat[name] = float(value)
+    return flat
+
+
+class _Keep(DatasetEvaluator):
+    """Keeps what the model returned, as Predictions in dataset order."""
+
+    def __init__(self, post: dict[str, Any]):
+        self.post, self.predictions = post, []
+
+    def reset(self) -> None:
+        self.predictions = []
+
+    def process(self, inputs, outputs) -> None:
+        self.predictions += [to_prediction(o["instances"].to("cpu"), self.post) for o in outputs]
+
+    def evaluate(self):
+        return None
+
+
+class EagerInputs:
+    """A dataset's records as detectron2's test-time DatasetMapper makes them (detectron2's read_image and
+    ResizeShortestEdge), one picture per batch: what `inference_on_dataset` iterates."""
+
+    def __init__(self, records: Sequence[dict], pre: dict[str, Any]):
+        self.records, self.pre = records, pre
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __iter__(self):
+        import torch
+        from detectron2.data import detection_utils
+        from detectron2.data import transforms as T
+
+        resize = T.ResizeShortestEdge(self.pre["min_size_test"], self.pre["max_size_test"])
+        for record in steps(self.records, "PyTorch"):
+            image = detection_utils.read_image(record["file_name"], format=self.pre.get("input_format", "BGR"))
+            image = resize.get_transform(image).apply_image(image)
+            yield [dict(record, image=torch.as_tensor(np.ascontiguousarray(image.transpose(2, 0, 1))))]
+
+
+def pytorch_run(model, records: Sequence[dict], evaluator: DatasetEvaluator, pre: dict[str, Any],
+                post: dict[str, Any]) -> Run:
+    from detectron2.evaluation import inference_on_dataset
+
+    keep = _Keep(post)
+    results = inference_on_dataset(model, EagerInputs(records, pre), DatasetEvaluators([evaluator, keep]))
+    return Run("PyTorch", "float32", flatten(results), keep.predictions)
+
+
+def onnx_run(model_path: Path, records: Sequence[dict], make_evaluator: Callable[[dict], DatasetEvaluator],
+             providers: Sequence[str] = ("cpu",), threads: int = 0) -> Run:
+    from d2export.runtime.images import read_image
+    from d2export.runtime.predictor import Predictor
+
+    predictor = Predictor(model_path, providers=providers, threads=threads)
+    post = predictor.manifest.postprocess
+    evaluator = make_evaluator(post)
+    evaluator.reset()
+    predictions = []
+    for record in steps(records, model_path.parent.name or model_path.name):
+        prediction = predictor.predict(read_image(record["file_name"]))
+        predictions.append(prediction)
+        evaluator.process([record], [{"instances": to_instances(prediction, post)}])
+    return Run(model_path.parent.name, predictor.manifest.precision, flatten(evaluator.evaluate()), predictions,
+               str(model_path))
+
+
+def _points(prediction: Prediction) -> list[np.ndarray]:
+    out = []
+    for i in prediction.instances:
+        parts = [np.ravel(v) for v in (i.box, i.polygon, i.boundary, i.keypoints, i.beziers) if v is not None]
+        out.append(np.concatenate(parts) if parts else np.zeros(0))
+    return out
+
+
+def difference(a: Prediction, b: Prediction, pixels: float = 0.5) -> tuple[float, str] | None:
+    """How two predictions of one picture differ, as (severity, what), or None where they agree: the number of
+    detections, a class or a transcription, points more than `pixels` apart, masks differing in over 1% of their
+    area. Severity orders the worst first: a count difference above all, then labels and text, then distance."""
+    if len(a.instances) != len(b.instances):
+        return 1e6 + abs(len(a.instances) - len(b.instances)), f"{len(a.instances)} vs {len(b.instances)} detections"
+    for x, y in zip(a.instances, b.instances):
+        if x.label != y.label:
+            return 1e5, f"class {x.label} vs {y.label}"
+        if (x.text or "") != (y.text or ""):
+            return 1e5, f"text {x.text!r} vs {y.text!r}"
+    gap = max((float(np.abs(p - q).max()) for p, q in zip(_points(a), _points(b)) if p.size and p.shape == q.shape),
+              default=0.0)
+    masks = [(x.mask, y.mask) for x, y in zip(a.instances, b.instances) if x.mask and y.mask]
+    if masks:
+        from d2export.instances import decode_mask
+
+        worst = max(np.logical_xor(decode_mask(m), decode_mask(n)).sum() / max(decode_mask(m).sum(), 1)
+                    for m, n in masks)
+        if worst > 0.01:
+            return 1e4 * worst, f"masks differ in {worst:.1%} of their area"
+    if gap > pixels or math.isnan(gap):
+        return gap, f"points {gap:.2f} px apart"
+    return None

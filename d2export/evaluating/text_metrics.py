@@ -1,0 +1,86 @@
+"""Text spotting metrics as TotalText's protocol counts them (torch-free: polygons and strings).
+
+Detection: a detection and a ground-truth word match when their polygons' IoU exceeds 0.5 (strictly, as the
+ICDAR/TotalText scripts compare); each matches at most once, the pairs taken by descending IoU. Words transcribed
+'###' are "don't care": they count for neither side, and a detection lying mostly (over half its area) on one is
+set aside. End-to-end (no lexicon): a matched pair counts when the transcriptions are equal ignoring case.
+Precision = matches / detections, recall = matches / words, H-mean their harmonic mean, in percent.
+
+Polygon areas come from shapely (the library AdelaiDet's evaluation uses); an invalid (self-crossing) polygon, as an
+untrained model draws, is repaired with `make_valid` rather than dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
+
+DONT_CARE = "###"
+IOU = 0.5
+
+
+@dataclass
+class Word:
+    points: np.ndarray  # (n, 2) outline
+    text: str = ""
+
+
+@dataclass
+class Counts:
+    words: int = 0  # ground truth, don't-care words left out
+    detections: int = 0  # detections, those set aside on don't-care words left out
+    matched: int = 0  # detection matches
+    read: int = 0  # matches whose transcription is right
+
+    def __add__(self, other: "Counts") -> "Counts":
+        return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def summary(self) -> dict[str, float]:
+        def ratio(a: int, b: int) -> float:
+            return 100.0 * a / b if b else 0.0
+
+        def hmean(p: float, r: float) -> float:
+            return 2 * p * r / (p + r) if p + r else 0.0
+
+        dp, dr = ratio(self.matched, self.detections), ratio(self.matched, self.words)
+        ep, er = ratio(self.read, self.detections), ratio(self.read, self.words)
+        return {"det_precision": dp, "det_recall": dr, "det_hmean": hmean(dp, dr),
+                "e2e_precision": ep, "e2e_recall": er, "e2e_hmean": hmean(ep, er),
+                "words": self.words, "detections": self.detections}
+
+
+def shape(points: np.ndarray):
+    from shapely import make_valid
+    from shapely.geometry import Polygon
+
+    p = Polygon(np.asarray(points, dtype=np.float64).reshape(-1, 2))
+    return p if p.is_valid else make_valid(p)
+
+
+def iou(a, b) -> float:
+    inter = a.intersection(b).area
+    union = a.area + b.area - inter
+    return inter / union if union > 0 else 0.0
+
+
+def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
+    """One picture's counts."""
+    gts = [shape(w.points) for w in words]
+    dets = [shape(d.points) for d in detections]
+    care = [w.text != DONT_CARE for w in words]
+    kept = [j for j, d in enumerate(dets)
+            if not any(not c and d.area > 0 and d.intersection(g).area / d.area > IOU for g, c in zip(gts, care))]
+    pairs = sorted(((iou(gts[i], dets[j]), i, j) for i in range(len(gts)) if care[i] for j in kept),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    used_g, used_d, matched, read = set(), set(), 0, 0
+    for value, i, j in pairs:
+        if value <= IOU:
+            break
+        if i in used_g or j in used_d:
+            continue
+        used_g.add(i)
+        used_d.add(j)
+        matched += 1
+        read += words[i].text.upper() == detections[j].text.upper()
+    return Counts(words=sum(care), detections=len(kept), matched=matched, read=read)
