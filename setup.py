@@ -53,7 +53,9 @@ setup(
         "batch": ["ray[data]>=2.40", "fsspec>=2023.12"],  # `d2export batch`
         # tritonclient: Triton's model-config protobuf, to check the configs triton-repo writes; matplotlib: benchmarks'
         # plots
-        "dev": ["pytest>=7", "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5"],
+        "dev": ["pytest>=7", "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5",
+                # scipy: the TESTR stand-in's Hungarian matcher (third_party/testr, trained in tests)
+                "scipy>=1.8"],
         # the fused MSDA operator for onnxruntime on the CPU (export.sampler=fused): its kernel and its registration
         "fused": ["numba>=0.59", "onnxruntime-extensions>=0.15"],
         # `d2export synth`: OpenCV warps words along their curves and traces the visible outlines of shapes

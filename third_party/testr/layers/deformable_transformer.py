@@ -56,8 +56,9 @@ class DeformableTransformer(nn.Module):
         normal_(self.level_embed)
 
     def get_proposal_pos_embed(self, proposals):
-        """Sine embedding of (N, K, 4) unactivated boxes -> (N, K, 4 * 64); d_model must be 256."""
-        num_pos_feats = 64
+        """Sine embedding of (N, K, 4) unactivated boxes -> (N, K, d_model): d_model / 4 features per coordinate
+        (upstream writes 64, for its d_model of 256)."""
+        num_pos_feats = self.d_model // 4
         temperature = 10000
         scale = 2 * math.pi
         dim_t = torch.arange(num_pos_feats, dtype=torch.float32, device=proposals.device)

@@ -1,7 +1,5 @@
-"""TESTR's detectron2 meta-architecture: image batching, padding masks, inference and rescaling.
-
-Inference only: upstream's losses, matchers and target preparation are left out.
-"""
+"""TESTR's detectron2 meta-architecture: image batching, padding masks, inference and rescaling; in training mode,
+the targets from the mapper's Instances and the weighted losses (testr/modeling/testr/criterion.py)."""
 from typing import List
 
 import numpy as np
@@ -13,6 +11,7 @@ from detectron2.modeling.meta_arch.build import META_ARCH_REGISTRY
 from detectron2.structures import ImageList, Instances
 
 from testr.layers.pos_encoding import PositionalEncoding2D
+from testr.modeling.testr.criterion import SetCriterion
 from testr.modeling.testr.models import TESTR
 from testr.utils.misc import NestedTensor
 
@@ -42,6 +41,7 @@ class MaskedBackbone(nn.Module):
         backbone_shape = self.backbone.output_shape()
         self.feature_strides = [backbone_shape[f].stride for f in backbone_shape.keys()]
         self.num_channels = backbone_shape[list(backbone_shape.keys())[-1]].channels
+        self.channels = [backbone_shape[f].channels for f in backbone_shape.keys()]
 
     def forward(self, images):
         features = self.backbone(images.tensor)
@@ -109,6 +109,7 @@ class TransformerDetector(nn.Module):
         backbone = Joiner(d2_backbone, PositionalEncoding2D(N_steps, normalize=True))
         backbone.num_channels = d2_backbone.num_channels
         self.testr = TESTR(cfg, backbone)
+        self.criterion = SetCriterion(cfg.MODEL.TRANSFORMER.LOSS, cfg.MODEL.TRANSFORMER.VOC_SIZE)
 
         # plain tensors in a closure, not buffers: not in the state dict, and not moved by .to()
         pixel_mean = torch.Tensor(cfg.MODEL.PIXEL_MEAN).to(self.device).view(3, 1, 1)
@@ -127,10 +128,12 @@ class TransformerDetector(nn.Module):
         "width" (the output resolution). Returns one {"instances": Instances} per image with scores,
         pred_classes, rec_scores (n, n_chars, voc+1), recs (n, n_chars) and polygons or beziers (n, 2 * n_ctrl).
         """
-        if self.training:
-            raise NotImplementedError("this TESTR stand-in implements inference only")
         images = self.preprocess_image(batched_inputs)
         output = self.testr(images)
+        if self.training:
+            gt = [x["instances"].to(self.device) for x in batched_inputs]
+            losses = self.criterion(output, self.prepare_targets(gt))
+            return {k: v * self.criterion.weight(k) for k, v in losses.items()}
 
         ctrl_point_cls = output["pred_logits"]
         ctrl_point_coord = output["pred_ctrl_points"]
@@ -143,6 +146,19 @@ class TransformerDetector(nn.Module):
             r = detector_postprocess(results_per_image, height, width)
             processed_results.append({"instances": r})
         return processed_results
+
+    def prepare_targets(self, targets):
+        """Per image: labels, control points (polygons or Beziers, as the model predicts them) and (cx, cy, w, h)
+        boxes relative to the unpadded image, and the character ids."""
+        prepared = []
+        for t in targets:
+            h, w = t.image_size
+            scale = torch.as_tensor([w, h], dtype=torch.float32, device=self.device)
+            points = (t.polygons if self.use_polygon else t.beziers).view(len(t), -1, 2) / scale
+            xyxy = t.gt_boxes.tensor / scale.repeat(2)
+            boxes = torch.cat([(xyxy[:, :2] + xyxy[:, 2:]) / 2, xyxy[:, 2:] - xyxy[:, :2]], dim=1)
+            prepared.append({"labels": t.gt_classes, "ctrl_points": points, "boxes": boxes, "texts": t.text})
+        return prepared
 
     def inference(self, ctrl_point_cls, ctrl_point_coord, text_pred, image_sizes):
         """Keeps the queries whose mean control-point score passes the threshold; points to pixels."""

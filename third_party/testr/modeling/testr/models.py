@@ -71,9 +71,10 @@ class TESTR(nn.Module):
         self.ctrl_point_embed = nn.Embedding(self.num_ctrl_points, self.d_model)
         self.text_embed = nn.Embedding(self.max_text_len, self.d_model)
 
-        # res3..res5 of a ResNet-50 (channel counts fixed, as upstream has them), plus strided extra levels
+        # the backbone's last three levels (res3..res5: 512, 1024, 2048 channels on a ResNet-50; upstream writes
+        # those numbers, read here from the backbone so narrower ones fit), plus strided extra levels
         if self.num_feature_levels > 1:
-            num_channels = [512, 1024, 2048]
+            num_channels = backbone[0].channels[-3:]
             input_proj_list = []
             for in_channels in num_channels:
                 input_proj_list.append(nn.Sequential(
@@ -89,7 +90,7 @@ class TESTR(nn.Module):
             self.input_proj = nn.ModuleList(input_proj_list)
         else:
             self.input_proj = nn.ModuleList([nn.Sequential(
-                nn.Conv2d(2048, self.d_model, kernel_size=1),
+                nn.Conv2d(backbone[0].channels[-1], self.d_model, kernel_size=1),
                 nn.GroupNorm(32, self.d_model),
             )])
         self.aux_loss = t.AUX_LOSS

@@ -1,0 +1,164 @@
+"""Training for the TESTR stand-in (third_party/testr): the matchers against hand-built costs, each loss against a
+hand-computed value, three steps on a fixed batch lowering the loss, and a trainer checkpoint of the R-50
+configuration loading strictly with upstream's keys and shapes."""
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import testr_c_shim
+
+testr_c_shim.install()
+import testr  # noqa: E402,F401
+from testr.config import get_cfg  # noqa: E402
+from testr.modeling.testr.criterion import SetCriterion  # noqa: E402
+from testr.modeling.testr.matcher import (BoxHungarianMatcher, CtrlPointHungarianMatcher, assign,  # noqa: E402
+                                          focal_class_cost)
+
+CONFIGS = Path(testr.__file__).parent / "configs"
+DATA = Path(__file__).parent / "data"
+P_HALF_POS = 0.25 * 0.25 * math.log(2)  # focal loss of p = 0.5 for a positive: alpha (1 - p)^gamma (-log p)
+P_HALF_NEG = 0.75 * 0.25 * math.log(2)  # and for a negative: (1 - alpha) p^gamma (-log(1 - p))
+
+
+def test_hungarian_assignment_takes_the_cheapest_one_to_one_pairs():
+    cost = torch.tensor([[1.0, 5.0], [2.0, 1.0], [4.0, 4.0]])  # 3 queries, 2 words: best total 1 + 1
+    (rows, cols), = assign([cost])
+    assert rows.tolist() == [0, 1] and cols.tolist() == [0, 1]
+    cost = torch.tensor([[1.0, 2.0], [1.5, 9.0]])  # greedy would take (0, 0) then (1, 1) = 10; optimum 3.5
+    (rows, cols), = assign([cost])
+    assert dict(zip(rows.tolist(), cols.tolist())) == {0: 1, 1: 0}
+    (rows, cols), = assign([torch.zeros(3, 0)])
+    assert len(rows) == len(cols) == 0
+
+
+def test_point_matcher_cost_is_class_plus_point_l1():
+    assert float(focal_class_cost(torch.tensor(0.5), 0.25, 2.0)) == pytest.approx(P_HALF_POS - P_HALF_NEG)
+    points = torch.tensor([[[0.1, 0.1], [0.3, 0.1]],  # query 0: on word 1
+                           [[0.5, 0.5], [0.9, 0.5]],  # query 1: on word 0, off by 0.1 in one x
+                           [[0.0, 0.0], [0.0, 0.0]]])  # query 2: nowhere
+    outputs = {"pred_logits": torch.zeros(1, 3, 2, 1), "pred_ctrl_points": points[None]}
+    words = torch.tensor([[[0.5, 0.5], [0.8, 0.5]], [[0.1, 0.1], [0.3, 0.1]]])
+    matcher = CtrlPointHungarianMatcher(class_weight=2.0, coord_weight=5.0)
+    (q, w), = matcher(outputs, [{"ctrl_points": words, "labels": torch.zeros(2, dtype=torch.long)}])
+    assert dict(zip(q.tolist(), w.tolist())) == {0: 1, 1: 0}
+    # by hand: 2 x the class term (every query alike at p = 0.5) + 5 x the L1 distance of the points
+    cls = 2.0 * (P_HALF_POS - P_HALF_NEG)
+    expected = [[cls + 5 * (0.4 + 0.4 + 0.5 + 0.4), cls + 5 * 0.0],
+                [cls + 5 * 0.1, cls + 5 * (0.4 + 0.4 + 0.6 + 0.4)],
+                [cls + 5 * (0.5 + 0.5 + 0.8 + 0.5), cls + 5 * (0.1 + 0.1 + 0.3 + 0.1)]]
+    (cost,) = matcher.costs(outputs, [{"ctrl_points": words, "labels": torch.zeros(2, dtype=torch.long)}])
+    np.testing.assert_allclose(cost.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_box_matcher_cost_is_class_l1_and_giou():
+    boxes = torch.tensor([[[0.5, 0.5, 0.2, 0.2], [0.25, 0.25, 0.1, 0.1], [0.8, 0.8, 0.1, 0.1]]])
+    outputs = {"pred_logits": torch.zeros(1, 3, 1), "pred_boxes": boxes}
+    words = torch.tensor([[0.8, 0.8, 0.2, 0.1], [0.5, 0.5, 0.2, 0.2]])
+    targets = [{"boxes": words, "labels": torch.zeros(2, dtype=torch.long)}]
+    (q, w), = BoxHungarianMatcher()(outputs, targets)
+    assert dict(zip(q.tolist(), w.tolist())) == {0: 1, 2: 0}
+    # proposal 2 vs word 0: L1 0.1 (width); boxes [0.75, 0.75, 0.85, 0.85] in [0.7, 0.75, 0.9, 0.85]: GIoU 0.5
+    (cost,) = BoxHungarianMatcher(class_weight=2.0, coord_weight=5.0, giou_weight=2.0).costs(outputs, targets)
+    cls = 2.0 * (P_HALF_POS - P_HALF_NEG)
+    assert float(cost[2, 0]) == pytest.approx(cls + 5 * 0.1 - 2 * 0.5, rel=1e-5)
+    assert float(cost[0, 1]) == pytest.approx(cls + 0.0 - 2 * 1.0, rel=1e-5)
+
+
+def criterion():
+    cfg = get_cfg()
+    cfg.MODEL.TRANSFORMER.LOSS.AUX_LOSS = False
+    return SetCriterion(cfg.MODEL.TRANSFORMER.LOSS, voc_size=96)
+
+
+def test_each_loss_against_its_value_by_hand():
+    # one picture, one word; two queries of two points, zero logits (p = 0.5), query 0 lies on the word
+    word = {"labels": torch.zeros(1, dtype=torch.long), "ctrl_points": torch.tensor([[[0.2, 0.2], [0.6, 0.2]]]),
+            "boxes": torch.tensor([[0.4, 0.2, 0.4, 0.1]]), "texts": torch.full((1, 25), 96, dtype=torch.long)}
+    outputs = {"pred_logits": torch.zeros(1, 2, 2, 1),
+               "pred_ctrl_points": torch.tensor([[[[0.25, 0.2], [0.6, 0.1]], [[0.9, 0.9], [0.9, 0.9]]]]),
+               "pred_texts": torch.zeros(1, 2, 25, 97),
+               "enc_outputs": {"pred_logits": torch.zeros(1, 3, 1),
+                               "pred_boxes": torch.tensor([[[0.4, 0.2, 0.2, 0.1], [0.9, 0.9, 0.1, 0.1],
+                                                            [0.1, 0.9, 0.1, 0.1]]])}}
+    losses = criterion()(outputs, [word])
+    assert losses["loss_ce"].item() == pytest.approx(P_HALF_POS + P_HALF_NEG, rel=1e-5)  # points averaged
+    assert losses["loss_ctrl_points"].item() == pytest.approx(0.05 + 0.1, rel=1e-5)
+    assert losses["loss_texts"].item() == pytest.approx(math.log(97), rel=1e-5)  # uniform over 97 classes
+    assert losses["loss_enc_ce"].item() == pytest.approx(P_HALF_POS + 2 * P_HALF_NEG, rel=1e-5)
+    assert losses["loss_enc_bbox"].item() == pytest.approx(0.2, rel=1e-5)  # width 0.2 vs 0.4
+    # boxes [0.3, 0.15, 0.5, 0.25] inside [0.2, 0.15, 0.6, 0.25]: IoU 0.5, the hull is the word's box: GIoU loss 0.5
+    assert losses["loss_enc_giou"].item() == pytest.approx(0.5, rel=1e-5)
+    weighted = {k: v * criterion().weight(k) for k, v in losses.items()}
+    assert weighted["loss_ctrl_points"].item() == pytest.approx(5.0 * 0.15, rel=1e-5)
+
+
+def test_auxiliary_losses_for_every_earlier_decoder_layer():
+    cfg = get_cfg()
+    full = SetCriterion(cfg.MODEL.TRANSFORMER.LOSS, voc_size=96)
+    layer = {"pred_logits": torch.zeros(1, 2, 2, 1), "pred_ctrl_points": torch.rand(1, 2, 2, 2),
+             "pred_texts": torch.zeros(1, 2, 25, 97)}
+    word = {"labels": torch.zeros(1, dtype=torch.long), "ctrl_points": torch.rand(1, 2, 2),
+            "boxes": torch.tensor([[0.5, 0.5, 0.2, 0.2]]), "texts": torch.zeros(1, 25, dtype=torch.long)}
+    losses = full(dict(layer, aux_outputs=[layer, layer]), [word])
+    assert {"loss_ce_0", "loss_ce_1", "loss_texts_1"} <= losses.keys()
+    assert losses["loss_ctrl_points_1"].item() == pytest.approx(losses["loss_ctrl_points"].item())
+    assert full.weight("loss_texts_1") == full.weight("loss_texts") == 2.0
+
+
+def tiny_batch(h=160, w=192):
+    from detectron2.structures import Boxes, Instances
+
+    gen = torch.Generator().manual_seed(0)
+    inst = Instances((h, w))
+    boxes = torch.tensor([[10.0, 12, 90, 40], [60, 80, 170, 120]])
+    inst.gt_boxes, inst.gt_classes = Boxes(boxes), torch.zeros(2, dtype=torch.int64)
+    t = torch.linspace(0, 1, 8)
+    inst.polygons = torch.stack([torch.cat([torch.stack([x0 + t * (x1 - x0), y0 + 0 * t], 1),
+                                            torch.stack([x1 - t * (x1 - x0), y1 + 0 * t], 1)]).flatten()
+                                 for x0, y0, x1, y1 in boxes.tolist()])
+    inst.text = torch.randint(0, 97, (2, 25), generator=gen, dtype=torch.int32)
+    return [{"image": torch.rand(3, h, w, generator=gen) * 255, "instances": inst}]
+
+
+def test_three_steps_on_one_batch_lower_the_loss(monkeypatch):
+    from detectron2.modeling import build_model
+    from testr.layers import ms_deform_attn
+    from testr.train import build_optimizer, train_step
+
+    from d2export.patching.compiled_ops import make_stand_in
+
+    monkeypatch.setattr(ms_deform_attn, "_C", make_stand_in("testr._C"))  # the op with a backward
+    torch.manual_seed(0)
+    cfg = get_cfg()
+    cfg.merge_from_file(str(CONFIGS / "micro.yaml"))
+    cfg.MODEL.TRANSFORMER.ENC_LAYERS = cfg.MODEL.TRANSFORMER.DEC_LAYERS = 1
+    cfg.SOLVER.BASE_LR = cfg.SOLVER.LR_BACKBONE = 1e-3
+    model = build_model(cfg)
+    optimizer = build_optimizer(cfg, model)
+    batch = tiny_batch()
+    totals = [train_step(model, optimizer, batch, clip=0.1)["total"] for _ in range(4)]
+    assert totals[3] < totals[0], totals  # the loss before each of steps 1..3, then after the third
+
+
+def test_r50_trainer_checkpoint_loads_strictly_with_upstream_keys(tmp_path):
+    from detectron2.modeling import build_model
+    from testr.train import build_optimizer, load_checkpoint, save_checkpoint
+
+    cfg = get_cfg()
+    cfg.merge_from_file(str(CONFIGS / "TotalText" / "TESTR_R_50_Polygon.yaml"))
+    cfg.MODEL.DEVICE = "cpu"
+    torch.manual_seed(1)
+    model = build_model(cfg)
+    save_checkpoint(tmp_path / "last.pth", model, build_optimizer(cfg, model), iteration=7)
+    rows = [line.split("\t") for line in (DATA / "testr_state_dict.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    state = torch.load(tmp_path / "last.pth", map_location="cpu", weights_only=False)["model"]
+    assert [(k, list(v.shape)) for k, v in state.items()] == [(name, eval(shape)) for name, shape, _ in rows]
+    torch.manual_seed(2)
+    other = build_model(cfg)
+    assert load_checkpoint(tmp_path / "last.pth", other) == 7
+    for (k, a), b in zip(state.items(), other.state_dict().values()):
+        assert torch.equal(a, b), k

@@ -1,0 +1,82 @@
+"""TESTR's training losses, given the matches: sigmoid focal classification, L1 on the control points and
+cross-entropy on the characters for the decoder's queries (on the last layer and, as auxiliary losses, on every
+earlier one); focal classification, L1 and GIoU on the boxes of the encoder's proposals (two-stage).
+
+Normalisation: every loss is summed over images and divided by the number of words in the batch (at least 1), except
+the characters' cross-entropy, a mean over the matched queries' character slots (padding slots included: "no
+character" is a class the model must predict)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.ops import box_convert, generalized_box_iou_loss, sigmoid_focal_loss
+
+from testr.modeling.testr.matcher import BoxHungarianMatcher, CtrlPointHungarianMatcher
+
+
+def _matched(pairs):
+    """Per-image (queries, targets) pairs → (batch index, query index) of every matched query."""
+    batch = torch.cat([torch.full_like(q, b) for b, (q, _) in enumerate(pairs)])
+    return batch, torch.cat([q for q, _ in pairs])
+
+
+class SetCriterion(nn.Module):
+    def __init__(self, loss_cfg, voc_size):
+        super().__init__()
+        c = loss_cfg
+        self.alpha, self.gamma, self.voc_size = c.FOCAL_ALPHA, c.FOCAL_GAMMA, voc_size
+        self.aux = c.AUX_LOSS
+        self.point_matcher = CtrlPointHungarianMatcher(c.POINT_CLASS_WEIGHT, c.POINT_COORD_WEIGHT, c.FOCAL_ALPHA,
+                                                       c.FOCAL_GAMMA)
+        self.box_matcher = BoxHungarianMatcher(c.BOX_CLASS_WEIGHT, c.BOX_COORD_WEIGHT, c.BOX_GIOU_WEIGHT,
+                                               c.FOCAL_ALPHA, c.FOCAL_GAMMA)
+        self.weights = {"loss_ce": c.POINT_CLASS_WEIGHT, "loss_ctrl_points": c.POINT_COORD_WEIGHT,
+                        "loss_texts": c.POINT_TEXT_WEIGHT, "loss_enc_ce": c.BOX_CLASS_WEIGHT,
+                        "loss_enc_bbox": c.BOX_COORD_WEIGHT, "loss_enc_giou": c.BOX_GIOU_WEIGHT}
+
+    def focal(self, logits, positive, num_words):
+        """(B, Q, …, 1) logits, (B, Q) bool → the focal loss over every element, a query's points averaged."""
+        target = positive.to(logits.dtype).view(*positive.shape, *([1] * (logits.dim() - 2))).expand_as(logits)
+        loss = sigmoid_focal_loss(logits, target, self.alpha, self.gamma, reduction="none")
+        if loss.dim() == 4:  # (B, Q, P, C): mean over the points
+            loss = loss.mean(2)
+        return loss.sum() / num_words
+
+    def query_losses(self, outputs, targets, num_words):
+        pairs = self.point_matcher(outputs, targets)
+        b, q = _matched(pairs)
+        positive = torch.zeros(outputs["pred_logits"].shape[:2], dtype=torch.bool, device=b.device)
+        positive[b, q] = True
+        points = outputs["pred_ctrl_points"][b, q]
+        target_points = torch.cat([t["ctrl_points"][i] for t, (_, i) in zip(targets, pairs)]).to(points.dtype)
+        texts = outputs["pred_texts"][b, q]  # (n, T, V + 1)
+        target_texts = torch.cat([t["texts"][i] for t, (_, i) in zip(targets, pairs)]).long()
+        text_loss = F.cross_entropy(texts.transpose(1, 2), target_texts) if len(texts) else texts.sum()
+        return {"loss_ce": self.focal(outputs["pred_logits"], positive, num_words),
+                "loss_ctrl_points": F.l1_loss(points, target_points, reduction="sum") / num_words,
+                "loss_texts": text_loss}
+
+    def encoder_losses(self, outputs, targets, num_words):
+        pairs = self.box_matcher(outputs, targets)
+        b, q = _matched(pairs)
+        positive = torch.zeros(outputs["pred_logits"].shape[:2], dtype=torch.bool, device=b.device)
+        positive[b, q] = True
+        boxes = outputs["pred_boxes"][b, q]
+        target = torch.cat([t["boxes"][i] for t, (_, i) in zip(targets, pairs)]).to(boxes.dtype)
+        giou = generalized_box_iou_loss(box_convert(boxes, "cxcywh", "xyxy"), box_convert(target, "cxcywh", "xyxy"),
+                                        reduction="sum")
+        return {"loss_enc_ce": self.focal(outputs["pred_logits"], positive, num_words),
+                "loss_enc_bbox": F.l1_loss(boxes, target, reduction="sum") / num_words,
+                "loss_enc_giou": giou / num_words}
+
+    def forward(self, outputs, targets):
+        """Unweighted losses by name (`_<i>` for the i-th auxiliary decoder layer); `weights` weighs them."""
+        num_words = max(sum(len(t["labels"]) for t in targets), 1)
+        losses = self.query_losses(outputs, targets, num_words)
+        for i, aux in enumerate(outputs.get("aux_outputs", []) if self.aux else []):
+            losses.update({f"{k}_{i}": v for k, v in self.query_losses(aux, targets, num_words).items()})
+        if "enc_outputs" in outputs:
+            losses.update(self.encoder_losses(outputs["enc_outputs"], targets, num_words))
+        return losses
+
+    def weight(self, name):
+        return self.weights[name.rsplit("_", 1)[0] if name[-1].isdigit() else name]

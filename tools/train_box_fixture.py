@@ -1,0 +1,120 @@
+"""Train the box fixture: a small Faster R-CNN (configs/detectron2/box_fixture.yaml) on `d2export synth boxes`, with
+detectron2's own trainer, on the CPU. Seeded; resumable (run it again: it goes on from its last checkpoint);
+detectron2's trainer logs the losses every 20 iterations. At the end it scores the held-out set with COCOEvaluator
+and writes the fixture: float16 weights (detectron2's checkpointer restores float32 on load) and their record.
+
+    python tools/train_box_fixture.py --out outputs/box_fixture            # about 45 minutes on 2 cores
+    python tools/train_box_fixture.py --out outputs/box_fixture --iters 40  # a smoke run
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CONFIG = REPO / "configs" / "detectron2" / "box_fixture.yaml"
+FIXTURE = REPO / "tests" / "data" / "box_fixture.pth"
+TRAIN, HELD_OUT = ("synth_boxes_train", 0), ("synth_boxes_held_out", 1)  # (dataset name, synth seed)
+
+
+def config(out: Path, iters: int, seed: int, threads: int):
+    from detectron2.config import get_cfg
+
+    cfg = get_cfg()
+    cfg.merge_from_file(str(CONFIG))
+    cfg.MODEL.DEVICE = "cpu"
+    cfg.DATASETS.TRAIN, cfg.DATASETS.TEST = (TRAIN[0],), (HELD_OUT[0],)
+    cfg.DATALOADER.NUM_WORKERS = 0  # both cores train; the pictures are small
+    cfg.SOLVER.IMS_PER_BATCH = 4
+    cfg.SOLVER.BASE_LR = 0.02
+    cfg.SOLVER.MAX_ITER = iters
+    cfg.SOLVER.WARMUP_ITERS = min(200, iters // 4)
+    cfg.SOLVER.STEPS = (int(iters * 0.75), int(iters * 0.92))
+    cfg.SOLVER.CHECKPOINT_PERIOD = 100
+    cfg.TEST.EVAL_PERIOD = 0
+    cfg.SEED = seed
+    cfg.OUTPUT_DIR = str(out)
+    return cfg
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="outputs/box_fixture", help="checkpoints, logs and the synthetic sets")
+    ap.add_argument("--iters", type=int, default=2200, help="training iterations (batches of 4 pictures)")
+    ap.add_argument("--train-count", type=int, default=3000, help="training pictures")
+    ap.add_argument("--held-out-count", type=int, default=300, help="held-out pictures (another seed)")
+    ap.add_argument("--size", default="320x320", help="picture size")
+    ap.add_argument("--seed", type=int, default=0, help="training seed")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--fixture", default=str(FIXTURE), help="where to write the float16 weights ('' to skip)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from detectron2.engine import DefaultTrainer
+    from detectron2.evaluation import COCOEvaluator, inference_on_dataset
+    from detectron2.utils.logger import setup_logger
+
+    from d2export.datasets import generate, register
+    from d2export.datasets.synth import parse_size
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    setup_logger(str(out / "log.txt"))
+    logging.getLogger("detectron2").setLevel(logging.INFO)
+    size = parse_size(args.size)
+    for (name, seed), count in ((TRAIN, args.train_count), (HELD_OUT, args.held_out_count)):
+        folder = out / "data" / name
+        if not (folder / "annotations.json").is_file():
+            generate("boxes", folder, count=count, seed=seed, size=size)
+        register(name, folder)
+
+    class Trainer(DefaultTrainer):
+        def build_writers(self):  # the console and metrics.json; no TensorBoard
+            from detectron2.utils.events import CommonMetricPrinter, JSONWriter
+
+            return [CommonMetricPrinter(self.max_iter), JSONWriter(str(out / "metrics.json"))]
+
+    cfg = config(out, args.iters, args.seed, args.threads)
+    started = time.time()
+    trainer = Trainer(cfg)
+    trainer.resume_or_load(resume=True)
+    trainer.train()
+    seconds = time.time() - started
+
+    model = trainer.model.eval()
+    evaluator = COCOEvaluator(HELD_OUT[0], tasks=("bbox",), distributed=False, output_dir=str(out / "eval"))
+    from detectron2.data import build_detection_test_loader
+
+    results = inference_on_dataset(model, build_detection_test_loader(cfg, HELD_OUT[0]), evaluator)
+    record = {"config": str(CONFIG.relative_to(REPO)), "iterations": args.iters, "seed": args.seed,
+              "train": {"count": args.train_count, "seed": TRAIN[1], "size": args.size},
+              "held_out": {"count": args.held_out_count, "seed": HELD_OUT[1], "size": args.size},
+              "bbox": results["bbox"], "train_seconds_this_run": round(seconds),
+              "command": "python tools/train_box_fixture.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if args.fixture:
+        fixture = Path(args.fixture)
+        fixture.parent.mkdir(parents=True, exist_ok=True)
+        state = {k: v.half() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        tmp = fixture.with_suffix(".tmp")
+        torch.save({"model": state, "__author__": "d2export tools/train_box_fixture.py"}, tmp)
+        tmp.replace(fixture)
+        record["sha256"] = hashlib.sha256(fixture.read_bytes()).hexdigest()
+        record["bytes"] = fixture.stat().st_size
+        fixture.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record, indent=2))
+    shutil.rmtree(out / "eval", ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Train the TESTR stand-in (third_party/testr) on `d2export synth text`, on the CPU.
+
+The model code is the user's: d2export only provides the compiled attention op TESTR imports (its import hook, with
+a backward), as it does for export. Seeded; resumable (run it again with the same --out: it goes on from
+last.pth); a progress bar with the losses; every --eval-every iterations d2export's text evaluator (detection and
+end-to-end H-mean) on the evaluation pictures; float16 weight snapshots of a few MB.
+
+    python tools/train_spotter.py --out outputs/spotter_overfit --train-count 32 --eval-on train --iters 400
+    python tools/train_spotter.py --out outputs/spotter --train-count 2000 --minutes 75
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "third_party")]
+
+
+def batches(records, mapper, size, seed, start):
+    """An endless, seeded stream of mapped batches; `start` skips what a resumed run already saw."""
+    rng = random.Random(seed)
+    order, step = [], 0
+    while True:
+        if len(order) < size:
+            order += rng.sample(range(len(records)), len(records))
+        picked, order = order[:size], order[size:]
+        if step >= start:
+            yield [mapper(records[i]) for i in picked]
+        step += 1
+
+
+def evaluate(model, records, mapper_test, name, post):
+    import torch
+
+    from d2export.evaluating.evaluators import TextSpottingEvaluator
+
+    evaluator = TextSpottingEvaluator(name, post)
+    model.eval()
+    with torch.no_grad():
+        for r in records:
+            evaluator.process([r], model([mapper_test(r)]))
+    model.train()
+    return evaluator.evaluate()["text"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(REPO / "third_party/testr/configs/micro.yaml"), help="TESTR config")
+    ap.add_argument("--out", default="outputs/spotter", help="checkpoints, metrics and the synthetic sets")
+    ap.add_argument("--train-count", type=int, default=2000, help="training pictures")
+    ap.add_argument("--eval-count", type=int, default=100, help="held-out pictures (another seed)")
+    ap.add_argument("--eval-on", choices=["held_out", "train"], default="held_out",
+                    help="evaluate on held-out pictures or on the training pictures (to check it can overfit)")
+    ap.add_argument("--size", default="320x320", help="picture size")
+    ap.add_argument("--iters", type=int, default=100000, help="stop after this many iterations")
+    ap.add_argument("--minutes", type=float, default=0, help="or after this many minutes of this run (0: no limit)")
+    ap.add_argument("--batch", type=int, default=0, help="pictures per step (default: SOLVER.IMS_PER_BATCH)")
+    ap.add_argument("--eval-every", type=int, default=100, help="evaluate every N iterations")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch order")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs as detectron2 takes them")
+    args = ap.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from d2export.patching import compiled_ops
+
+    compiled_ops.install(["testr._C"])  # TESTR's CUDA op on the CPU, with a backward
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    import testr  # noqa: F401 - registers TransformerDetector
+    from detectron2.modeling import build_model
+    from testr.config import get_cfg
+    from testr.data import DatasetMapperWithBasis
+    from testr.train import build_optimizer, load_checkpoint, save_checkpoint, save_weights_fp16, train_step
+
+    from d2export.datasets import generate, register
+    from d2export.datasets.synth import parse_size
+
+    cfg = get_cfg()
+    cfg.merge_from_file(args.config)
+    cfg.merge_from_list(args.overrides)
+    cfg.MODEL.DEVICE = "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    size = parse_size(args.size)
+    sets = {"train": ("synth_text_train", 0, args.train_count), "held_out": ("synth_text_held_out", 1, args.eval_count)}
+    for key, (name, seed, count) in sets.items():
+        folder = out / "data" / key
+        if not (folder / "annotations.json").is_file():
+            generate("text", folder, count=count, seed=seed, size=size)
+        register(name, folder)
+    from detectron2.data import DatasetCatalog
+
+    train_records = DatasetCatalog.get(sets["train"][0])
+    eval_name = sets[args.eval_on][0]
+    eval_records = DatasetCatalog.get(eval_name)
+
+    model = build_model(cfg)
+    optimizer = build_optimizer(cfg, model)
+    last = out / "last.pth"
+    start = load_checkpoint(last, model, optimizer) if last.is_file() else 0
+    mapper = DatasetMapperWithBasis(cfg, is_train=True)
+    mapper_test = DatasetMapperWithBasis(cfg, is_train=False)
+    post = {"charset": "".join(__import__("d2export.charset", fromlist=["charset"]).charset(96)),
+            "text_decoding": "slots"}
+    clip = cfg.SOLVER.CLIP_GRADIENTS.CLIP_VALUE if cfg.SOLVER.CLIP_GRADIENTS.ENABLED else 0
+    log = open(out / "metrics.jsonl", "a")
+    started = time.time()
+    stream = batches(train_records, mapper, args.batch or cfg.SOLVER.IMS_PER_BATCH, args.seed, start)
+    bar = tqdm(range(start, args.iters), initial=start, total=args.iters, desc="train", dynamic_ncols=True)
+    it = start
+    for it in bar:
+        losses = train_step(model, optimizer, next(stream), clip)
+        bar.set_postfix(total=f"{losses['total']:.2f}", ce=f"{losses['loss_ce']:.3f}",
+                        pts=f"{losses['loss_ctrl_points']:.3f}", txt=f"{losses['loss_texts']:.3f}")
+        row = {"iter": it + 1, "seconds": round(time.time() - started, 1), **{k: round(v, 4) for k, v in losses.items()}}
+        done = it + 1 >= args.iters or (args.minutes and time.time() - started > args.minutes * 60)
+        if (it + 1) % args.eval_every == 0 or done:
+            row["eval"] = evaluate(model, eval_records, mapper_test, eval_name, post)
+            bar.write(f"iter {it + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["eval"].items()))
+            save_checkpoint(last, model, optimizer, it + 1)
+            save_weights_fp16(out / f"model_{it + 1:06d}_fp16.pth", model, it + 1)
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        if done:
+            break
+    print(json.dumps({"iterations": it + 1, "seconds_this_run": round(time.time() - started, 1),
+                      "seconds_per_iteration": round((time.time() - started) / max(it + 1 - start, 1), 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
