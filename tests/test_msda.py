@@ -189,3 +189,14 @@ def test_trt_plugin_node():
     for name, source in zip(inputs[1:3], ["spatial_shapes", "level_start_index"]):  # int32, as the plugin wants
         cast = producers[name]
         assert cast.op_type == "Cast" and cast.attribute[0].i == onnx.TensorProto.INT32 and cast.input[0] == source
+
+
+@pytest.mark.parametrize("sampler", EAGER)
+def test_autocast_computes_in_float32(sampler):
+    """Under autocast (CPU bfloat16 here, CUDA float16 alike) the core's MatMul must not drop to half precision: the
+    inputs are float32, so is the arithmetic."""
+    args = random_msda_inputs([(16, 24), (8, 12)], n=2, lq=30, heads=2, dim=8, points=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = multi_scale_deformable_attention(*args, sampler=sampler)
+    assert out.dtype == torch.float32
+    _close(out, msda_reference(*args), 1e-5)

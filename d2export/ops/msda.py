@@ -70,8 +70,14 @@ def multi_scale_deformable_attention(value: torch.Tensor, spatial_shapes: torch.
     sampling_locations [N, Lq, M, L, P, 2] normalised (x, y) — outside [0, 1] reads zero padding —,
     attention_weights [N, Lq, M, L, P]  ->  [N, Lq, M * D] in value's dtype.
 
-    Half-precision inputs are computed in float32 (pixel coordinates in float16 are off by up to 1/8 px at 256 px).
+    Half-precision inputs are computed in float32 (pixel coordinates in float16 are off by up to 1/8 px at 256 px),
+    and so is everything under autocast.
     """
+    device = value.device.type
+    if _autocasting(device):  # autocast would run the samplers' MatMul in half precision
+        with torch.autocast(device, enabled=False):
+            return multi_scale_deformable_attention(value, spatial_shapes, level_start_index, sampling_locations,
+                                                    attention_weights, sampler=sampler)
     name = resolve_sampler(sampler)
     if name == "trt_plugin":
         return _TRTPluginMSDA.apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
@@ -83,6 +89,13 @@ def multi_scale_deformable_attention(value: torch.Tensor, spatial_shapes: torch.
     else:
         out = _gather(*args) if name == "gather" else _per_level_grid_sample(*args)
     return _to(out, value.dtype)
+
+
+def _autocasting(device: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device)
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_cpu_enabled() if device == "cpu" else torch.is_autocast_enabled()
 
 
 def _to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
