@@ -1,7 +1,6 @@
 """`d2export evaluate`: PyTorch and exported models through one evaluator on a synthetic set, the PyTorch column
 checked against detectron2's own `inference_on_dataset`, and bad input refused before anything is written."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

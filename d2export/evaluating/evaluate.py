@@ -14,11 +14,9 @@ import logging
 import os
 import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-log = logging.getLogger("d2export")
 WORST = 5
 
 

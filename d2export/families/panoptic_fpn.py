@@ -36,9 +36,8 @@ class PanopticFPN(Detectron2Detections):
         return has_rcnn_inference(model) or (None if hasattr(model, "sem_seg_head") else "needs a sem_seg_head")
 
     def adapter(self, model, cfg, options: AdapterOptions):
-        from d2export.tracing.rcnn import RCNNAdapter, zero_score_thresholds
+        from d2export.tracing.rcnn import RCNNAdapter
 
-        zero_score_thresholds(model)
         return RCNNAdapter(model, options.example[0], inference, axes={"sem_seg": {2: "height", 3: "width"}})
 
     def postprocess(self, cfg):

@@ -32,9 +32,8 @@ class RCNN(Detectron2Detections):
         return has_rcnn_inference(model)
 
     def adapter(self, model, cfg, options: AdapterOptions):
-        from d2export.tracing.rcnn import RCNNAdapter, zero_score_thresholds
+        from d2export.tracing.rcnn import RCNNAdapter
 
-        zero_score_thresholds(model)
         return RCNNAdapter(model, options.example[0])
 
     def postprocess(self, cfg):

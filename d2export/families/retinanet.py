@@ -33,9 +33,8 @@ class RetinaNet(Detectron2Detections):
         return f"needs DenseDetector's {', '.join(lacking)}" if lacking else None
 
     def adapter(self, model, cfg, options: AdapterOptions):
-        from d2export.tracing.rcnn import RCNNAdapter, zero_score_thresholds
+        from d2export.tracing.rcnn import RCNNAdapter
 
-        zero_score_thresholds(model)
         return RCNNAdapter(model, options.example[0], inference)
 
     def postprocess(self, cfg):

@@ -220,7 +220,8 @@ class Predictor(Processing):
     def metadata(self) -> dict[str, Any]:
         m = self.manifest
         return {"model": self.model_path.name, "family": m.family, "sha256": m.sha256, "opset": m.opset,
-                "exporter": m.exporter, "sampler": m.sampler, "precision": m.precision, "providers": self.providers,
+                "exporter": m.exporter, "sampler": m.sampler, "precision": m.precision,
+                "providers": self.session.get_providers(),  # what the session runs on, not what was asked
                 "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],
                 "preprocess": m.preprocess | {"min_size_test": self.min_size, "max_size_test": self.max_size},
                 "postprocess": m.postprocess | {"score_threshold": self.score_threshold},

@@ -11,13 +11,15 @@ Outputs [1, R, …] with R the detections found (data-dependent), in input-image
 `scores`, `labels`, and where the model has them `masks` [1, R, M, M] (per-box probabilities, pasted on the host) and
 `keypoints` [1, R, K, 3] (x, y, score); other tensors a family's `infer` returns (e.g. `sem_seg`) follow.
 
-The model runs with its test score threshold at 0 (the graph returns everything the detector keeps, thresholding on
-the host: the same detections above the model's own threshold, since NMS and top-k never let a low score displace a
-higher one) — so a random-weight model still traces on detections.
+Inside the adapter (tracing, references) the model runs with its test score threshold at 0 (the graph returns
+everything the detector keeps, thresholding on the host: the same detections above the model's own threshold, since
+NMS and top-k never let a low score displace a higher one) — so a random-weight model still traces on detections.
+Outside it, the model keeps its own thresholds: called as the user calls it, it answers as before.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -57,7 +59,7 @@ class RCNNAdapter(nn.Module):
         self.infer = infer
         self.axes = dict(axes or {})
         with torch.no_grad():
-            out = infer(model.eval(), [{"image": torch.from_numpy(np.ascontiguousarray(example)).float()}])
+            out = self._infer(model.eval(), torch.from_numpy(np.ascontiguousarray(example)).float())
         if len(out["scores"]) == 0:
             raise ValueError("the dummy input yields no detections even at score threshold 0, and a trace on zero "
                              "detections is broken at run time: use another dummy size")
@@ -84,14 +86,18 @@ class RCNNAdapter(nn.Module):
 
     def forward(self, images: Tensor, image_sizes: Tensor) -> tuple[Tensor, ...]:
         image = images[0, :, : image_sizes[0, 0], : image_sizes[0, 1]].float()
-        out = self.infer(self.model, [{"image": image}])
+        out = self._infer(self.model, image)
         return tuple(out[name][None] for name in self._outputs)
+
+    def _infer(self, model: nn.Module, image: Tensor) -> dict[str, Tensor]:
+        with score_thresholds_at_zero(model):
+            return self.infer(model, [{"image": image}])
 
     @torch.no_grad()
     def reference(self, images: Sequence[np.ndarray]) -> list[np.ndarray]:
         """Eager outputs through the model's own code path."""
         _one(images)
-        out = self.infer(self.model, [{"image": torch.from_numpy(np.ascontiguousarray(images[0])).float()}])
+        out = self._infer(self.model, torch.from_numpy(np.ascontiguousarray(images[0])).float())
         return [out[name][None].numpy() for name in self._outputs]
 
 
@@ -101,8 +107,15 @@ def _one(images: Sequence[np.ndarray]) -> None:
                          "detectron2 loops over a batch in Python, which a trace would bake in")
 
 
-def zero_score_thresholds(model: nn.Module) -> None:
-    """Every test score threshold of a built detectron2 detector set to 0 (see the module docstring)."""
-    for module in model.modules():
-        if isinstance(getattr(module, "test_score_thresh", None), float):
-            module.test_score_thresh = 0.0
+@contextlib.contextmanager
+def score_thresholds_at_zero(model: nn.Module) -> Iterator[None]:
+    """Every test score threshold of a built detectron2 detector at 0 for the duration (see the module docstring)."""
+    found = [m for m in model.modules() if isinstance(getattr(m, "test_score_thresh", None), float)]
+    saved = [m.test_score_thresh for m in found]
+    for m in found:
+        m.test_score_thresh = 0.0
+    try:
+        yield
+    finally:
+        for m, value in zip(found, saved):
+            m.test_score_thresh = value

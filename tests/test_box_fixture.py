@@ -1,0 +1,112 @@
+"""The box fixture (tests/data/box_fixture.pth): a small Faster R-CNN trained on synthetic shapes that really
+detects — exported, verified, served and evaluated with figures that mean something."""
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from d2export.datasets import generate
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "tests" / "data" / "box_fixture.pth"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from d2export import pipeline
+    from d2export.config import load
+
+    out = tmp_path_factory.mktemp("boxdet")
+    manifest = pipeline.export(load("boxdet", [f"export.output_dir={out}"]))
+    return out, manifest
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory):
+    """Pictures the fixture never saw: another seed than its training (0) and held-out (1) sets."""
+    return generate("boxes", tmp_path_factory.mktemp("held_out") / "boxes", count=8, seed=7, size=(320, 320),
+                    workers=1)
+
+
+def test_the_fixture_is_what_its_record_says():
+    record = json.loads(FIXTURE.with_suffix(".json").read_text())
+    assert hashlib.sha256(FIXTURE.read_bytes()).hexdigest() == record["sha256"]
+    assert FIXTURE.stat().st_size == record["bytes"] <= 10 * 2**20
+    assert record["bbox"]["AP"] >= 50 and record["command"].startswith("python tools/train_box_fixture.py")
+
+
+def test_export_verifies_with_the_trained_weights(exported):
+    _, manifest = exported
+    assert manifest.verification["passed"] is True and manifest.family == "rcnn"
+    assert manifest.weights["path"].endswith("box_fixture.pth") and not manifest.weights["missing"]
+    assert manifest.weights.get("kind") != "seeded"
+
+
+def iou(a, b):
+    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = ix * iy
+    return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter)
+
+
+def test_the_served_model_finds_the_shapes(exported, held_out):
+    from d2export.runtime.images import read_image
+    from d2export.runtime.predictor import Predictor
+
+    out, manifest = exported
+    predictor = Predictor(out / manifest.model_file)
+    coco = json.loads((held_out / "annotations.json").read_text())
+    shapes = matched = kept = stray = 0
+    for image in coco["images"]:
+        truth = [xyxy(a["bbox"]) + [a["category_id"] - 1, a["area"]] for a in coco["annotations"]
+                 if a["image_id"] == image["id"]]
+        detections = [d for d in predictor.predict(read_image(held_out / "images" / image["file_name"])).instances
+                      if d.score >= 0.5]
+        for *box, label, area in truth:
+            if area >= 400:  # a shape mostly hidden is not required
+                shapes += 1
+                matched += any(d.label == label and iou(d.box, box) >= 0.5 for d in detections)
+        kept += len(detections)
+        stray += sum(not any(iou(d.box, t[:4]) >= 0.5 for t in truth) for d in detections)
+    # measured: 30 of 41 shapes, 7 of 53 detections astray (a seeded model finds none); the fixture is at 55 AP
+    assert shapes >= 10 and matched / shapes >= 0.6, f"{matched} of {shapes} shapes found with their class"
+    assert stray <= 0.25 * kept, f"{stray} of {kept} confident detections lie on no shape"
+
+
+def xyxy(box):
+    x, y, w, h = box
+    return [x, y, x + w, y + h]
+
+
+def test_evaluate_keeps_the_accuracy(exported, held_out):
+    from d2export.evaluating.evaluate import evaluate
+
+    out, _ = exported
+    report = evaluate([str(out)], dataset=str(held_out), config="boxdet")
+    torch_run, onnx_run = report["runs"]
+    print(f"held-out AP: PyTorch {torch_run['metrics']['bbox/AP']:.2f}, ONNX {onnx_run['metrics']['bbox/AP']:.2f}")
+    assert torch_run["metrics"]["bbox/AP"] >= 40
+    assert abs(onnx_run["metrics"]["bbox/AP"] - torch_run["metrics"]["bbox/AP"]) <= 0.1
+    assert report["comparisons"][0]["differing_pictures"] <= 1
+
+
+def test_the_built_model_keeps_its_own_score_threshold():
+    """Export runs the detector at threshold 0 inside its adapter only: the model itself answers as the user's."""
+    import torch
+
+    from d2export import pipeline
+    from d2export.config import load
+
+    built = pipeline.prepare(load("boxdet", ["export.output_dir=unused"]))
+    assert built.model.roi_heads.box_predictor.test_score_thresh == 0.05
+    from d2export.datasets import draw
+
+    picture = np.ascontiguousarray(draw("boxes", 7, 0, 320, 320)[0][:, :, ::-1].transpose(2, 0, 1))  # BGR, CHW
+    with torch.no_grad():
+        scores = built.model([{"image": torch.from_numpy(picture).float()}])[0]["instances"].scores
+        everything = built.adapter.reference([picture])[built.adapter.output_names.index("scores")][0]
+    assert len(scores) > 0 and (scores > 0.05).all()
+    assert (everything <= 0.05).any() and len(everything) > len(scores)  # the adapter's run keeps low scores
+    assert built.model.roi_heads.box_predictor.test_score_thresh == 0.05
