@@ -9,7 +9,6 @@ and writes the fixture: float16 weights (detectron2's checkpointer restores floa
 from __future__ import annotations
 
 import argparse
-import os
 import hashlib
 import json
 import logging
@@ -26,7 +25,7 @@ FIXTURE = REPO / "tests" / "data" / "box_fixture.pth"
 TRAIN, HELD_OUT = ("synth_boxes_train", 0), ("synth_boxes_held_out", 1)  # (dataset name, synth seed)
 
 
-def config(out: Path, iters: int, seed: int, threads: int):
+def config(out: Path, iters: int, seed: int, lr: float):
     from detectron2.config import get_cfg
 
     cfg = get_cfg()
@@ -35,7 +34,7 @@ def config(out: Path, iters: int, seed: int, threads: int):
     cfg.DATASETS.TRAIN, cfg.DATASETS.TEST = (TRAIN[0],), (HELD_OUT[0],)
     cfg.DATALOADER.NUM_WORKERS = 0  # both cores train; the pictures are small
     cfg.SOLVER.IMS_PER_BATCH = 4
-    cfg.SOLVER.BASE_LR = float(os.environ.get("BOX_FIXTURE_LR", 1e-3))
+    cfg.SOLVER.BASE_LR = lr
     cfg.SOLVER.MAX_ITER = iters
     cfg.SOLVER.WARMUP_ITERS = min(200, iters // 4)
     cfg.SOLVER.STEPS = (int(iters * 0.75), int(iters * 0.92))
@@ -54,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--held-out-count", type=int, default=300, help="held-out pictures (another seed)")
     ap.add_argument("--size", default="320x320", help="picture size")
     ap.add_argument("--seed", type=int, default=0, help="training seed")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--fixture", default=str(FIXTURE), help="where to write the float16 weights ('' to skip)")
     args = ap.parse_args(argv)
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
 
             return [CommonMetricPrinter(self.max_iter), JSONWriter(str(out / "metrics.json"))]
 
-    cfg = config(out, args.iters, args.seed, args.threads)
+    cfg = config(out, args.iters, args.seed, args.lr)
     started = time.time()
     trainer = Trainer(cfg)
     trainer.resume_or_load(resume=True)

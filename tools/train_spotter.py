@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     from testr.data import DatasetMapperWithBasis
     from testr.train import build_optimizer, load_checkpoint, save_checkpoint, save_weights_fp16, train_step
 
+    from d2export.charset import charset
     from d2export.datasets import generate, register
     from d2export.datasets.synth import parse_size
 
@@ -108,8 +109,7 @@ def main(argv=None) -> int:
     start = load_checkpoint(last, model, optimizer) if last.is_file() else 0
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
     mapper_test = DatasetMapperWithBasis(cfg, is_train=False)
-    post = {"charset": "".join(__import__("d2export.charset", fromlist=["charset"]).charset(96)),
-            "text_decoding": "slots"}
+    post = {"charset": "".join(charset(int(cfg.MODEL.TRANSFORMER.VOC_SIZE))), "text_decoding": "slots"}
     clip = cfg.SOLVER.CLIP_GRADIENTS.CLIP_VALUE if cfg.SOLVER.CLIP_GRADIENTS.ENABLED else 0
     log = open(out / "metrics.jsonl", "a")
     started = time.time()

@@ -30,36 +30,36 @@ def read_text(ids, post: dict[str, Any]) -> str:
 def to_prediction(instances, post: dict[str, Any]) -> Prediction:
     """A model's own `Instances` (on the CPU) → Prediction."""
     height, width = instances.image_size
+    fields = {name: _rows(value.tensor if hasattr(value, "tensor") else value)
+              for name, value in instances.get_fields().items() if name not in ("texts", "bd")}  # each field once
     n = len(instances)
-    get = lambda name: _rows(instances.get(name)) if instances.has(name) else None  # noqa: E731
-    scores = get("scores")
-    labels = get("pred_classes")
+    scores, labels = fields.get("scores", np.ones(n)), fields.get("pred_classes", np.zeros(n))
     names = post.get("class_names")
     found = []
     for k in range(n):
-        label = int(labels[k]) if labels is not None else 0
-        inst = Instance(score=float(scores[k]) if scores is not None else 1.0, label=label,
+        label = int(labels[k])
+        inst = Instance(score=float(scores[k]), label=label,
                         class_name=names[label] if names and 0 <= label < len(names) else None)
-        if instances.has("pred_boxes"):
-            inst.box = _rows(instances.pred_boxes.tensor[k]).tolist()
-        if instances.has("pred_masks"):
-            inst.mask = encode_mask(_rows(instances.pred_masks[k]) > 0.5)
-        if instances.has("pred_keypoints"):
-            inst.keypoints = _rows(instances.pred_keypoints[k]).tolist()
-        if instances.has("polygons"):
-            inst.polygon = get("polygons")[k].reshape(-1, 2).tolist()
-        elif instances.has("beziers"):
-            ctrl = get("beziers")[k].reshape(-1, 2)
+        if "pred_boxes" in fields:
+            inst.box = fields["pred_boxes"][k].tolist()
+        if "pred_masks" in fields:
+            inst.mask = encode_mask(fields["pred_masks"][k] > 0.5)
+        if "pred_keypoints" in fields:
+            inst.keypoints = fields["pred_keypoints"][k].tolist()
+        if "polygons" in fields:
+            inst.polygon = fields["polygons"][k].reshape(-1, 2).tolist()
+        elif "beziers" in fields:
+            ctrl = fields["beziers"][k].reshape(-1, 2)
             inst.beziers, inst.polygon = ctrl.tolist(), bezier_polygon(ctrl).tolist()
-        elif instances.has("ctrl_points"):
-            inst.polygon, inst.closed = get("ctrl_points")[k].reshape(-1, 2).tolist(), False
-        if instances.has("bd") and instances.bd[k] is not None:
+        elif "ctrl_points" in fields:
+            inst.polygon, inst.closed = fields["ctrl_points"][k].reshape(-1, 2).tolist(), False
+        if instances.has("bd") and instances.bd[k] is not None:  # DeepSolo: a list, None where it has no boundary
             bd = _rows(instances.bd[k]).reshape(-1, 4)
             inst.boundary = np.concatenate([bd[:, :2], bd[::-1, 2:]]).tolist()
         if instances.has("texts"):
             inst.text = instances.texts[k]
-        elif instances.has("recs"):
-            inst.text = read_text(_rows(instances.recs[k]).astype(np.int64), post)
+        elif "recs" in fields:
+            inst.text = read_text(fields["recs"][k].astype(np.int64), post)
         found.append(inst)
     return Prediction(int(height), int(width), found)
 

@@ -66,9 +66,10 @@ def text_postprocess(transformer_cfg, points: str, chars: list[str] | None = Non
 def bezier_polygon(ctrl: np.ndarray, samples: int = 10) -> np.ndarray:
     """TESTR's Bézier mode: 8 control points (a cubic along the top, left → right, then one along the bottom,
     right → left) → a closed outline of 2 × samples points."""
-    t = np.linspace(0.0, 1.0, samples)[:, None]
-    basis = np.concatenate([(1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t**2 * (1 - t), t**3], axis=1)  # [S, 4]
-    return np.concatenate([basis @ ctrl[:4], basis @ ctrl[4:]], axis=0)
+    from d2export.datasets.bezier import curve
+
+    t = np.linspace(0.0, 1.0, samples)
+    return np.concatenate([curve(ctrl[:4], t), curve(ctrl[4:], t)], axis=0)
 
 
 def text_instances(outputs: dict[str, np.ndarray], index: int, input_hw: tuple[int, int],
