@@ -147,3 +147,39 @@ def test_constants_are_clamped_to_the_float16_range():
     assert c[0] == 65504 and c[1] == -65504  # not inf
     assert c[2] > 0 and c[3] < 0  # not flushed to zero
     assert c[4] == 0 and c[5] == 1.5 and np.isinf(c[6])
+
+
+def _graph_with_if():
+    """x * c, then an If whose branches read that product from the outer scope: (v + 2048) - 2048 (exact in float32,
+    off by up to 1 in float16) or -v. torchvision's batched NMS exports such an If."""
+    f = TensorProto.FLOAT
+    branch = lambda name, nodes, out: helper.make_graph(nodes, name, [], [helper.make_tensor_value_info(out, f, None)])
+    then = branch("then", [helper.make_node("Add", ["v", "big"], ["w"]), helper.make_node("Sub", ["w", "big"], ["t"])],
+                  "t")
+    other = branch("else", [helper.make_node("Neg", ["v"], ["e"])], "e")
+    nodes = [helper.make_node("Mul", ["x", "c"], ["v"]),
+             helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["positive"]),
+             helper.make_node("If", ["positive"], ["y"], then_branch=then, else_branch=other)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [4])],
+                              [helper.make_tensor_value_info("y", f, [4])],
+                              initializer=[onnx.numpy_helper.from_array(np.float32(v), n)
+                                           for n, v in (("c", 3.0), ("big", 2048.0), ("zero", 0.0))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_if_branches_read_outer_tensors_in_float32():
+    half = to_float16(_graph_with_if())
+    onnx.checker.check_model(half, full_check=True)
+    session = ort.InferenceSession(half.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([0.3, 1.7, 2.9, 0.11], np.float32)
+    product = x.astype(np.float64) * 3  # 0.9, 5.1, 8.7, 0.33: float16 at 2048 (spacing 2) would be 0.33 to 0.9 off
+    (y,) = session.run(None, {"x": x})
+    assert y.dtype == np.float32 and np.abs(y - product).max() < 1e-2  # float16's rounding of x and v only
+    (y,) = session.run(None, {"x": -x})
+    assert np.abs(y - product).max() < 1e-2
+    # the Mul became float16; the If is fed through a Cast, inside its branches
+    mul = next(n for n in half.graph.node if n.op_type == "Mul")
+    assert next(t for t in half.graph.initializer if t.name == mul.input[1]).data_type == TensorProto.FLOAT16
+    branch = next(a.g for a in next(n for n in half.graph.node if n.op_type == "If").attribute if a.name == "then_branch")
+    assert branch.node[0].input[0] == "v__as_fp32"

@@ -5,7 +5,8 @@ float16 are off by up to 1/8 px at 256 px, see `ops.msda`) and every Softmax sta
 graph's inputs and outputs keep their types, so callers feed and read it exactly like the float32 graph.
 
 How: every float tensor becomes float16 except those made by a kept node; a Cast is put wherever a consumer wants the
-other precision. Constants used only in float16 are stored in float16, clamped to its range (±65504; magnitudes below
+other precision. A node with subgraphs (an If, as torchvision's batched NMS exports) is kept whole: its branches stay
+as they are, in float32, and the outer tensors they read get a Cast like any kept node's inputs. Constants used only in float16 are stored in float16, clamped to its range (±65504; magnitudes below
 its smallest subnormal become that, not 0); one that a float32 consumer also reads keeps its float32 value (no
 rounding) and gets a Cast, which onnxruntime folds when it loads the graph.
 
@@ -43,10 +44,9 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
     graph's float inputs and outputs stay float32 (callers feed and read it like the float32 graph); else float16."""
     model = onnx.shape_inference.infer_shapes(model)
     graph = model.graph
-    if any(a.type == onnx.AttributeProto.GRAPH for n in graph.node for a in n.attribute):
-        raise NotImplementedError("graphs with subgraphs (If/Loop/Scan) are not supported")
     keep = keep or default_keep(graph)
     nodes = list(graph.node)  # one wrapper per node: ids stay valid while the list lives
+    outer = {id(n): _outer_names(n) for n in nodes if _subgraphs(n)}  # what each If/Loop/Scan's branches read
     types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
     types.update({t.name: t.data_type for t in graph.initializer})
     constants = {t.name: t for t in graph.initializer}
@@ -55,7 +55,7 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
             constants[node.output[0]] = node.attribute[0].t
             types[node.output[0]] = node.attribute[0].t.data_type
 
-    kept = {id(n) for n in nodes if keep(n) or n.op_type in _NO_FLOAT16}
+    kept = {id(n) for n in nodes if keep(n) or n.op_type in _NO_FLOAT16 or id(n) in outer}
     # the precision each float tensor's consumers want
     wanted: dict[str, set[int]] = {}
     for node in nodes:
@@ -63,6 +63,9 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
             if name and types.get(name) == FLOAT:
                 fp32 = id(node) in kept or i in _FLOAT32_SLOTS.get(node.op_type, ())
                 wanted.setdefault(name, set()).add(FLOAT if fp32 else HALF)
+        for name in outer.get(id(node), ()):
+            if types.get(name) == FLOAT:
+                wanted.setdefault(name, set()).add(FLOAT)
     for out in graph.output:
         if types.get(out.name) == FLOAT and keep_io_types:
             wanted.setdefault(out.name, set()).add(FLOAT)
@@ -106,6 +109,9 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
                 fp32 = id(node) in kept or i in _FLOAT32_SLOTS.get(node.op_type, ())
                 if made[name] != (FLOAT if fp32 else HALF):
                     node.input[i] = cast(name, FLOAT if fp32 else HALF)
+        renamed = {name: cast(name, FLOAT) for name in outer.get(id(node), ()) if made.get(name) == HALF}
+        if renamed:
+            _rename_outer(node, renamed)
         new_nodes.append(node)
         for i, name in enumerate(node.output):
             if name in outputs and made.get(name) == HALF and keep_io_types:  # the graph's outputs keep float32
@@ -119,6 +125,41 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
                 out.type.tensor_type.elem_type = HALF
     del graph.value_info[:]  # stale element types; onnxruntime infers them again
     return model
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [a.g for a in node.attribute if a.type == onnx.AttributeProto.GRAPH] + \
+        [g for a in node.attribute if a.type == onnx.AttributeProto.GRAPHS for g in a.graphs]
+
+
+def _defined(g: onnx.GraphProto, local: frozenset) -> frozenset:
+    """Names visible inside subgraph `g`'s own scope (its inputs, initializers, nodes' outputs) or an enclosing one."""
+    return local | {v.name for v in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+
+
+def _outer_names(node: onnx.NodeProto, local: frozenset = frozenset()) -> set[str]:
+    """The names `node`'s subgraphs (at any depth) read from the scopes around them."""
+    names = set()
+    for g in _subgraphs(node):
+        inner = _defined(g, local)
+        for n in g.node:
+            names |= {i for i in n.input if i and i not in inner} | _outer_names(n, inner)
+        names |= {o.name for o in g.output if o.name not in inner}
+    return names
+
+
+def _rename_outer(node: onnx.NodeProto, renamed: dict[str, str], local: frozenset = frozenset()) -> None:
+    """Points `node`'s subgraphs' reads of outer names to their replacements (names defined inside stay)."""
+    for g in _subgraphs(node):
+        inner = _defined(g, local)
+        for n in g.node:
+            for i, name in enumerate(n.input):
+                if name in renamed and name not in inner:
+                    n.input[i] = renamed[name]
+            _rename_outer(n, renamed, inner)
+        for o in g.output:
+            if o.name in renamed and o.name not in inner:  # a branch that returns an outer tensor as it is
+                o.name = renamed[o.name]
 
 
 def _half(tensor: TensorProto) -> TensorProto:
