@@ -162,3 +162,15 @@ def test_r50_trainer_checkpoint_loads_strictly_with_upstream_keys(tmp_path):
     assert load_checkpoint(tmp_path / "last.pth", other) == 7
     for (k, a), b in zip(state.items(), other.state_dict().values()):
         assert torch.equal(a, b), k
+
+
+def test_targets_keep_the_characters_a_model_with_fewer_text_queries_reads():
+    """The sets store 25 character slots; micro.yaml reads 8: its targets are the first 8, in order."""
+    from detectron2.modeling import build_model
+
+    cfg = get_cfg()
+    cfg.merge_from_file(str(CONFIGS / "micro.yaml"))
+    assert cfg.MODEL.TRANSFORMER.NUM_CHARS == 8
+    batch = tiny_batch()
+    (target,) = build_model(cfg).prepare_targets([batch[0]["instances"]])
+    assert torch.equal(target["texts"], batch[0]["instances"].text[:, :8])

@@ -157,7 +157,9 @@ class TransformerDetector(nn.Module):
             points = (t.polygons if self.use_polygon else t.beziers).view(len(t), -1, 2) / scale
             xyxy = t.gt_boxes.tensor / scale.repeat(2)
             boxes = torch.cat([(xyxy[:, :2] + xyxy[:, 2:]) / 2, xyxy[:, 2:] - xyxy[:, :2]], dim=1)
-            prepared.append({"labels": t.gt_classes, "ctrl_points": points, "boxes": boxes, "texts": t.text})
+            # the sets store 25 character slots; a model with fewer text queries (NUM_CHARS) learns the first ones
+            texts = t.text[:, :self.testr.max_text_len]
+            prepared.append({"labels": t.gt_classes, "ctrl_points": points, "boxes": boxes, "texts": texts})
         return prepared
 
     def inference(self, ctrl_point_cls, ctrl_point_coord, text_pred, image_sizes):
