@@ -6,9 +6,10 @@ graph's inputs and outputs keep their types, so callers feed and read it exactly
 
 How: every float tensor becomes float16 except those made by a kept node; a Cast is put wherever a consumer wants the
 other precision. A node with subgraphs (an If, as torchvision's batched NMS exports) is kept whole: its branches stay
-as they are, in float32, and the outer tensors they read get a Cast like any kept node's inputs. Constants used only in float16 are stored in float16, clamped to its range (±65504; magnitudes below
-its smallest subnormal become that, not 0); one that a float32 consumer also reads keeps its float32 value (no
-rounding) and gets a Cast, which onnxruntime folds when it loads the graph.
+as they are, in float32, and the outer tensors they read get a Cast like any kept node's inputs. Constants used only
+in float16 are stored in float16, clamped to its range (±65504; magnitudes below its smallest subnormal become that,
+not 0); one that a float32 consumer also reads keeps its float32 value (no rounding) and gets a Cast, which
+onnxruntime folds when it loads the graph.
 
 Why not onnxruntime's `onnxruntime.transformers.float16.convert_float_to_float16`: measured on the tiny TESTR graph
 with the same block list (MSDA cores, Softmax) at four sizes, both agree with the float32 graph equally well once
@@ -18,7 +19,8 @@ kept nodes) and writes node order the ONNX checker refuses (its input Casts come
 """
 from __future__ import annotations
 
-from typing import Callable
+import functools
+from typing import Callable, Iterator
 
 import numpy as np
 import onnx
@@ -46,7 +48,7 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
     graph = model.graph
     keep = keep or default_keep(graph)
     nodes = list(graph.node)  # one wrapper per node: ids stay valid while the list lives
-    outer = {id(n): _outer_names(n) for n in nodes if _subgraphs(n)}  # what each If/Loop/Scan's branches read
+    outer = {id(n): list(_outer_reads(n)) for n in nodes if _subgraphs(n)}  # what each If/Loop/Scan's branches read
     types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
     types.update({t.name: t.data_type for t in graph.initializer})
     constants = {t.name: t for t in graph.initializer}
@@ -63,7 +65,7 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
             if name and types.get(name) == FLOAT:
                 fp32 = id(node) in kept or i in _FLOAT32_SLOTS.get(node.op_type, ())
                 wanted.setdefault(name, set()).add(FLOAT if fp32 else HALF)
-        for name in outer.get(id(node), ()):
+        for name, _ in outer.get(id(node), ()):
             if types.get(name) == FLOAT:
                 wanted.setdefault(name, set()).add(FLOAT)
     for out in graph.output:
@@ -109,9 +111,9 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
                 fp32 = id(node) in kept or i in _FLOAT32_SLOTS.get(node.op_type, ())
                 if made[name] != (FLOAT if fp32 else HALF):
                     node.input[i] = cast(name, FLOAT if fp32 else HALF)
-        renamed = {name: cast(name, FLOAT) for name in outer.get(id(node), ()) if made.get(name) == HALF}
-        if renamed:
-            _rename_outer(node, renamed)
+        for name, point_to in outer.get(id(node), ()):
+            if made.get(name) == HALF:
+                point_to(cast(name, FLOAT))
         new_nodes.append(node)
         for i, name in enumerate(node.output):
             if name in outputs and made.get(name) == HALF and keep_io_types:  # the graph's outputs keep float32
@@ -137,29 +139,19 @@ def _defined(g: onnx.GraphProto, local: frozenset) -> frozenset:
     return local | {v.name for v in g.input} | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
 
 
-def _outer_names(node: onnx.NodeProto, local: frozenset = frozenset()) -> set[str]:
-    """The names `node`'s subgraphs (at any depth) read from the scopes around them."""
-    names = set()
-    for g in _subgraphs(node):
-        inner = _defined(g, local)
-        for n in g.node:
-            names |= {i for i in n.input if i and i not in inner} | _outer_names(n, inner)
-        names |= {o.name for o in g.output if o.name not in inner}
-    return names
-
-
-def _rename_outer(node: onnx.NodeProto, renamed: dict[str, str], local: frozenset = frozenset()) -> None:
-    """Points `node`'s subgraphs' reads of outer names to their replacements (names defined inside stay)."""
+def _outer_reads(node: onnx.NodeProto, local: frozenset = frozenset()) -> Iterator[tuple[str, Callable[[str], None]]]:
+    """Each read, in `node`'s subgraphs at any depth, of a name from the scopes around them: (the name, a setter that
+    points that read elsewhere)."""
     for g in _subgraphs(node):
         inner = _defined(g, local)
         for n in g.node:
             for i, name in enumerate(n.input):
-                if name in renamed and name not in inner:
-                    n.input[i] = renamed[name]
-            _rename_outer(n, renamed, inner)
+                if name and name not in inner:
+                    yield name, functools.partial(n.input.__setitem__, i)
+            yield from _outer_reads(n, inner)
         for o in g.output:
-            if o.name in renamed and o.name not in inner:  # a branch that returns an outer tensor as it is
-                o.name = renamed[o.name]
+            if o.name not in inner:  # a branch that returns an outer tensor as it is
+                yield o.name, functools.partial(setattr, o, "name")
 
 
 def _half(tensor: TensorProto) -> TensorProto:

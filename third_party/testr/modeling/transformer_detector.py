@@ -5,6 +5,7 @@ from typing import List
 import numpy as np
 import torch
 from torch import nn
+from torchvision.ops import box_convert
 
 from detectron2.modeling import build_backbone
 from detectron2.modeling.meta_arch.build import META_ARCH_REGISTRY
@@ -40,8 +41,8 @@ class MaskedBackbone(nn.Module):
         self.backbone = build_backbone(cfg)
         backbone_shape = self.backbone.output_shape()
         self.feature_strides = [backbone_shape[f].stride for f in backbone_shape.keys()]
-        self.num_channels = backbone_shape[list(backbone_shape.keys())[-1]].channels
         self.channels = [backbone_shape[f].channels for f in backbone_shape.keys()]
+        self.num_channels = self.channels[-1]
 
     def forward(self, images):
         features = self.backbone(images.tensor)
@@ -155,8 +156,7 @@ class TransformerDetector(nn.Module):
             h, w = t.image_size
             scale = torch.as_tensor([w, h], dtype=torch.float32, device=self.device)
             points = (t.polygons if self.use_polygon else t.beziers).view(len(t), -1, 2) / scale
-            xyxy = t.gt_boxes.tensor / scale.repeat(2)
-            boxes = torch.cat([(xyxy[:, :2] + xyxy[:, 2:]) / 2, xyxy[:, 2:] - xyxy[:, :2]], dim=1)
+            boxes = box_convert(t.gt_boxes.tensor / scale.repeat(2), "xyxy", "cxcywh")
             # the sets store 25 character slots; a model with fewer text queries (NUM_CHARS) learns the first ones
             texts = t.text[:, :self.testr.max_text_len]
             prepared.append({"labels": t.gt_classes, "ctrl_points": points, "boxes": boxes, "texts": texts})

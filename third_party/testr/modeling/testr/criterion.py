@@ -13,10 +13,14 @@ from torchvision.ops import box_convert, generalized_box_iou_loss, sigmoid_focal
 from testr.modeling.testr.matcher import BoxHungarianMatcher, CtrlPointHungarianMatcher
 
 
-def _matched(pairs):
-    """Per-image (queries, targets) pairs → (batch index, query index) of every matched query."""
+def _matched(pairs, logits):
+    """Per-image (queries, targets) pairs → (batch index, query index) of every matched query, and the (B, Q) mask of
+    them over `logits`' queries."""
     batch = torch.cat([torch.full_like(q, b) for b, (q, _) in enumerate(pairs)])
-    return batch, torch.cat([q for q, _ in pairs])
+    query = torch.cat([q for q, _ in pairs])
+    positive = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
+    positive[batch, query] = True
+    return batch, query, positive
 
 
 class SetCriterion(nn.Module):
@@ -43,9 +47,7 @@ class SetCriterion(nn.Module):
 
     def query_losses(self, outputs, targets, num_words):
         pairs = self.point_matcher(outputs, targets)
-        b, q = _matched(pairs)
-        positive = torch.zeros(outputs["pred_logits"].shape[:2], dtype=torch.bool, device=b.device)
-        positive[b, q] = True
+        b, q, positive = _matched(pairs, outputs["pred_logits"])
         points = outputs["pred_ctrl_points"][b, q]
         target_points = torch.cat([t["ctrl_points"][i] for t, (_, i) in zip(targets, pairs)]).to(points.dtype)
         texts = outputs["pred_texts"][b, q]  # (n, T, V + 1)
@@ -57,9 +59,7 @@ class SetCriterion(nn.Module):
 
     def encoder_losses(self, outputs, targets, num_words):
         pairs = self.box_matcher(outputs, targets)
-        b, q = _matched(pairs)
-        positive = torch.zeros(outputs["pred_logits"].shape[:2], dtype=torch.bool, device=b.device)
-        positive[b, q] = True
+        b, q, positive = _matched(pairs, outputs["pred_logits"])
         boxes = outputs["pred_boxes"][b, q]
         target = torch.cat([t["boxes"][i] for t, (_, i) in zip(targets, pairs)]).to(boxes.dtype)
         giou = generalized_box_iou_loss(box_convert(boxes, "cxcywh", "xyxy"), box_convert(target, "cxcywh", "xyxy"),
