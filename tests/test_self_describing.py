@@ -88,6 +88,19 @@ def test_slots_are_matched_by_content_not_position():
     assert top_k_agreement(expected["scores"], actual["scores"], k) == 1.0  # all k: any order agrees
 
 
+def test_a_detection_is_matched_to_one_of_its_own_class():
+    """Two classes' detections of one object: nearly the same box, scores alike. Float16 noise trades their scores;
+    by boxes and scores alone each would pair with the other class's detection and the labels would disagree."""
+    box = np.array([40.0, 60.0, 140.0, 120.0], np.float32)
+    expected = {"boxes": np.stack([box, box + 0.5, box + 150])[None],
+                "scores": np.array([[0.300, 0.290, 0.2]], np.float32), "labels": np.array([[1, 2, 0]])}
+    actual = {"boxes": expected["boxes"].copy(), "scores": np.array([[0.291, 0.301, 0.2]], np.float32),
+              "labels": expected["labels"].copy()}
+    assert match_slots(expected, actual, "scores").tolist() == [[0, 1, 2]]
+    floats_only = {k: v for k, v in expected.items() if k != "labels"}
+    assert match_slots(floats_only, actual, "scores").tolist() == [[1, 0, 2]]  # what it did before ids counted
+
+
 def test_a_lone_model_serves_from_its_metadata(tiny_export, tmp_path):
     _, manifest, path = tiny_export
     props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}

@@ -149,17 +149,24 @@ def check(results: Sequence[Comparison]) -> None:
 def match_slots(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], score_output: str) -> np.ndarray:
     """For each batch row, the actual detection slot that holds each expected slot's detection ([N, K] indices).
     Outputs are [N, K, …] per detection, sorted by score; reduced precision reorders near-equal scores, so slots are
-    matched by content (greedily, nearest first over every float output of that layout) rather than by position."""
+    matched by content (greedily, nearest first over every output of that layout: a float output by its mean distance
+    relative to its mean magnitude, an id output by the fraction of its ids that differ, so that a detection's
+    counterpart is one of its own class even where another class's detection of the same object scores alike)
+    rather than by position."""
     e_scores = expected[score_output]
     n, k = e_scores.shape[:2]
     per_slot = [name for name, e in expected.items()
-                if e.dtype.kind == "f" and e.ndim >= 2 and e.shape[:2] == (n, k) and actual[name].shape == e.shape]
+                if e.dtype.kind in "fbiu" and e.ndim >= 2 and e.shape[:2] == (n, k) and actual[name].shape == e.shape]
     order = np.zeros((n, k), dtype=np.int64)
     for row in range(n):
         cost = np.zeros((k, k))
         for name in per_slot:
-            e = expected[name][row].reshape(k, -1).astype(np.float64)
-            a = actual[name][row].reshape(k, -1).astype(np.float64)
+            e = expected[name][row].reshape(k, -1)
+            a = actual[name][row].reshape(k, -1)
+            if e.dtype.kind != "f":
+                cost += (e[:, None, :] != a[None, :, :]).mean(-1)
+                continue
+            e, a = e.astype(np.float64), a.astype(np.float64)
             scale = np.abs(e).mean() + 1e-6
             cost += np.abs(e[:, None, :] - a[None, :, :]).mean(-1) / scale
         taken_e, taken_a = set(), set()
