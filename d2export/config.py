@@ -1,6 +1,7 @@
 """Hydra structured configs: the schema every `configs/*.yaml` is checked against (a typo is an error, not a no-op)."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional, Sequence
@@ -53,6 +54,9 @@ class PluginConfig:
 class ExportConfig:
     output_dir: str = opt("outputs/${name}", "where model.onnx and its manifest are written")
     filename: str = opt("model.onnx", "the graph's file name (the manifest is <stem>.manifest.json)")
+    device: str = opt("auto", "where the model is built and traced and its eager references computed: auto (cuda "
+                      "where torch sees a GPU) | cpu | cuda | cuda:N. The graph is the same either way; on CUDA, "
+                      "TF32 is off while references are computed (it would swap near-tied proposals)")
     exporter: str = opt("torchscript", "torchscript | dynamo (torch.export-based)")
     target: str = opt("onnxruntime", "onnxruntime | tensorrt: the runtime the graph is shaped for (patches, opsets)")
     opset: Optional[int] = opt(None, "ONNX opset; null: 17 (onnxruntime 11–21, tensorrt 16–19)")
@@ -90,7 +94,8 @@ class VerifyConfig:
     top_k: int = opt(5, "float16: the top-K scoring detections must be the same ones")
     min_top_k_agreement: float = opt(0.8, "float16: least fraction of the eager top-K found in the graph's top-K")
     providers: List[str] = opt(factory=lambda: ["CPUExecutionProvider"], help="onnxruntime providers for "
-                               "verification")
+                               "verification (cpu, cuda, tensorrt or onnxruntime's names): verify on the one you "
+                               "serve with; cuda runs with TF32 off, as `infer`/`serve` do")
     pin_selections: bool = opt(True, "a failed case passes if the graph picked differently only among candidates "
                                "within float noise (TopK) and every output agrees with that pick imposed on eager")
     ladder: bool = opt(False, "run the parity ladder (docs/ladder.md) always, not only when verification fails")
@@ -162,6 +167,8 @@ def resolve(cfg: Any) -> D2ExportConfig:
     _one_of("export.exporter", e.exporter, EXPORTERS)
     _one_of("export.target", e.target, TARGETS)
     _one_of("export.sampler", e.sampler, SAMPLERS)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device):
+        raise ConfigError(f"export.device={e.device!r}: choose auto, cpu, cuda or cuda:N")
     if e.opset is None:
         e.opset = default_opset(e.target)
     if e.sampler == "fused" and (e.exporter != "torchscript" or e.target != "onnxruntime"):

@@ -48,6 +48,7 @@ class Built:
     adapter: torch.nn.Module
     swapped: list[str]
     weights: dict  # the manifest's record of the weights (building.load_weights)
+    device: str = "cpu"  # where the model runs (export.device resolved)
 
 
 def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
@@ -59,10 +60,11 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     _step(1, "importing user code", ", ".join(cfg.model.imports) or "-")
     with stage("import"):
         building.import_user_code(cfg.model, cfg.plugin, root)
-    _step(2, "building the model", cfg.model.lazy_config or cfg.model.d2_config)
+    device = building.resolve_device(cfg.export.device)
+    _step(2, "building the model", f"{cfg.model.lazy_config or cfg.model.d2_config} on {device}")
     with stage("build"):
-        d2cfg = building.load_config(cfg.model, root)
-        model, weights = building.build_model(cfg.model, d2cfg, root)
+        d2cfg = building.load_config(cfg.model, root, device)
+        model, weights = building.build_model(cfg.model, d2cfg, root, device)
     swapped = msda_swap.swap(model) if cfg.plugin.swap_msda else []
     log.info("MSDA modules swapped for the traceable core: %d", len(swapped))
     try:
@@ -75,8 +77,8 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
         weights = building.condition_seeded(model, weights, family.seeded_scales,
                                             example[0] if family.seeded_norms else None)
         options = families.AdapterOptions(example=example, text_logits=cfg.export.text_logits)
-        adapter = family.adapter(model, d2cfg, options).eval()
-    return Built(cfg, d2cfg, model, family, adapter, swapped, weights)
+        adapter = family.adapter(model, d2cfg, options).to(device).eval()
+    return Built(cfg, d2cfg, model, family, adapter, swapped, weights, device)
 
 
 def traced_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
@@ -187,6 +189,11 @@ def export(cfg: D2ExportConfig, root: Path | None = None, built: Built | None = 
 def _export(cfg: D2ExportConfig, root: Path | None, final: Path, built: Built | None) -> Manifest:
     started = time.perf_counter()
     built = built or prepare(cfg, root)
+    with building.exact_float32():  # eager references and the trace in float32, as onnxruntime computes
+        return _export_built(cfg, final, built, started)
+
+
+def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float) -> Manifest:
     _fault_point("built")
     adapter, e = built.adapter, cfg.export
     cases = []
@@ -213,7 +220,7 @@ def _export(cfg: D2ExportConfig, root: Path | None, final: Path, built: Built | 
                 log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
             with stage("verify"):
                 verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
-                                else {"passed": None})
+                                else {"passed": None}) | {"device": built.device}  # where the references ran
                 if e.fp16:
                     verification["fp16"] = _to_fp16(cfg, staged_model, adapter.output_names, cases, built)
             _fault_point("verified")
@@ -294,7 +301,8 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
     summary = verify_mod.summarise(results) | {
         "atol": v.atol, "rtol": v.rtol, "pixel_atol": v.pixel_atol,
         "tolerances": {kind: {"atol": a, "rtol": r} for kind, (a, r) in _tolerances_by_kind(cfg).items()},
-        "output_kinds": {n: verify_mod.output_kind(n, built.family.output_kinds) for n in output_names}}
+        "output_kinds": {n: verify_mod.output_kind(n, built.family.output_kinds) for n in output_names}
+    } | _ran_on(session)
     if pinned:
         summary["pinned"] = [p.to_dict() for p in pinned]
     if v.ladder or not summary["passed"]:
@@ -361,10 +369,20 @@ def _session_options(path: Path):
 
 
 def _session(path: Path, providers):
-    """An onnxruntime session for checking the staged graph, with the custom operators it uses registered."""
+    """An onnxruntime session for checking the staged graph, with the custom operators it uses registered and the
+    providers' options a served model gets by default (TF32 off on CUDA)."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), _session_options(path), providers=list(providers))
+    from d2export.runtime.predictor import options_per_provider, resolve_providers
+
+    providers = resolve_providers(providers)
+    return ort.InferenceSession(str(path), _session_options(path), providers=providers,
+                                provider_options=options_per_provider(providers))
+
+
+def _ran_on(session) -> dict:
+    """The providers a verification really ran on, with their options: what a server must use to serve the same."""
+    return {"providers": session.get_providers(), "provider_options": session.get_provider_options()}
 
 
 def _near_ties(path: Path, cases, results, precision: str) -> str:
@@ -389,7 +407,8 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built)
     v = cfg.verify
     session = _session(path, v.providers)
     summary = verify_mod.run_reduced_precision(session, output_names, cases, v.fp16_atol, v.fp16_rtol,
-                                               v.fp16_max_mismatch, "scores", v.top_k, v.min_top_k_agreement)
+                                               v.fp16_max_mismatch, "scores", v.top_k, v.min_top_k_agreement
+                                               ) | _ran_on(session)
     if not summary["passed"]:
         results = [verify_mod.Comparison(**c) for c in summary["cases"]]
         weak = {c for c, a in summary["case_agreement"].items() if a < v.min_top_k_agreement}
@@ -404,7 +423,8 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built)
         pinned = _pin_selections(cfg, path, output_names, cases, failed, built, judge, "float16")
         if pinned:
             summary = verify_mod.reduced_summary(_with_pinned(results, pinned), agreements, v.fp16_atol, v.fp16_rtol,
-                                                 v.fp16_max_mismatch, v.top_k, v.min_top_k_agreement)
+                                                 v.fp16_max_mismatch, v.top_k, v.min_top_k_agreement
+                                                 ) | _ran_on(session)
             summary["pinned"] = [p.to_dict() for p in pinned]
     log.info("float16 verification (top-%d agreement %.2f):\n%s", v.top_k, summary["top_k_agreement"],
              verify_mod.format_table([verify_mod.Comparison(**c) for c in summary["cases"]]))

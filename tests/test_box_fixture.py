@@ -62,6 +62,7 @@ def test_float16_export_verifies_detection_by_detection(float16):
     only once detections were matched with their labels (before: labels differed in 8% and 20% of slots)."""
     manifest = float16[0]
     assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"] is True
+    assert manifest.verification["fp16"]["providers"] == ["CPUExecutionProvider"]  # what the figures held on
 
 
 def test_float16_verification_still_refuses_wrong_detections(float16):

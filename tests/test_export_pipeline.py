@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 
 from d2export import pipeline
 from d2export.config import load
@@ -41,6 +42,8 @@ def test_tiny_export_is_verified_and_described(tiny_export):
     assert {f"{h}x{w}", f"{w}x{h}"} <= cases  # the transposed size: same tokens, other aspect ratio
     assert any(c.startswith("batch ") for c in cases)
     assert v["lint"]["clean"] is True
+    assert v["providers"] == ["CPUExecutionProvider"] and "CPUExecutionProvider" in v["provider_options"]
+    assert v["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # export.device=auto
     assert set(manifest.versions) >= {"torch", "onnx", "onnxruntime", "detectron2", "d2export"}
     assert manifest.preprocess["input_format"] == "RGB"  # TESTR configs feed RGB
     assert len(manifest.postprocess["charset"]) == 96

@@ -15,7 +15,8 @@ import torch
 
 from d2export.runtime.images import BadImage, ImageTooLarge, decode_image
 from d2export.families._text import bezier_polygon
-from d2export.runtime.predictor import Predictor, Prepared, ProviderUnavailable, resolve_providers
+from d2export.runtime.predictor import (Predictor, Prepared, ProviderUnavailable, options_per_provider,
+                                        resolve_providers)
 
 REPO = Path(__file__).resolve().parent.parent
 # original sizes: upscaled non-square, downscaled portrait, and one where max_size caps the long edge
@@ -158,6 +159,27 @@ def test_providers_asked_for_but_absent_are_refused_clearly(monkeypatch, tiny_ex
         Predictor(tiny_export[2], providers=["tensorrt"])
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     assert resolve_providers(["cuda"]) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_cuda_serves_without_tf32_unless_asked():
+    """onnxruntime's CUDA provider would compute in TF32 by default: not what verification compared."""
+    cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
+    assert options_per_provider([cuda, cpu]) == [{"use_tf32": "0"}, {}]
+    assert options_per_provider([cuda, cpu], tf32=True) == [{"use_tf32": "1"}, {}]
+    given = [{"device_id": "1", "use_tf32": "1"}]  # the user's own options win, the rest keep the defaults
+    assert options_per_provider([cuda, cpu], given=given) == [{"use_tf32": "1", "device_id": "1"}, {}]
+    assert options_per_provider(["TensorrtExecutionProvider", cuda, cpu]) == [{}, {"use_tf32": "0"}, {}]
+    assert options_per_provider([cpu]) == [{}]
+
+
+def test_the_predictor_reports_the_providers_it_really_runs_on(tiny_export, monkeypatch):
+    served = Predictor(tiny_export[2], threads=1)
+    assert served.metadata()["providers"] == ["CPUExecutionProvider"]
+    assert "CPUExecutionProvider" in served.metadata()["provider_options"]
+    assert served.providers_line() == "running on CPUExecutionProvider"
+    # onnxruntime drops a provider it cannot load without an error: the line says so
+    monkeypatch.setattr(served, "providers", ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert served.providers_line().endswith("not available: CUDAExecutionProvider")
 
 
 def png_header_only(width: int, height: int) -> bytes:

@@ -76,6 +76,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     import testr  # noqa: F401 - registers TransformerDetector
     from detectron2.modeling import build_model
+    from detectron2.solver import build_lr_scheduler
     from testr.config import get_cfg
     from testr.data import DatasetMapperWithBasis
     from testr.train import build_optimizer, load_checkpoint, save_checkpoint, save_weights_fp16, train_step
@@ -107,6 +108,9 @@ def main(argv=None) -> int:
     optimizer = build_optimizer(cfg, model)
     last = out / "last.pth"
     start = load_checkpoint(last, model, optimizer) if last.is_file() else 0
+    scheduler = build_lr_scheduler(cfg, optimizer)  # SOLVER.WARMUP_ITERS, STEPS, GAMMA, MAX_ITER as detectron2's
+    for _ in range(start):  # a resumed run goes on at its iteration's learning rate
+        scheduler.step()
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
     mapper_test = DatasetMapperWithBasis(cfg, is_train=False)
     post = {"charset": "".join(charset(int(cfg.MODEL.TRANSFORMER.VOC_SIZE))), "text_decoding": "slots"}
@@ -117,10 +121,13 @@ def main(argv=None) -> int:
     bar = tqdm(range(start, args.iters), initial=start, total=args.iters, desc="train", dynamic_ncols=True)
     it = start
     for it in bar:
+        lr = optimizer.param_groups[-1]["lr"]
         losses = train_step(model, optimizer, next(stream), clip)
+        scheduler.step()
         bar.set_postfix(total=f"{losses['total']:.2f}", ce=f"{losses['loss_ce']:.3f}",
                         pts=f"{losses['loss_ctrl_points']:.3f}", txt=f"{losses['loss_texts']:.3f}")
-        row = {"iter": it + 1, "seconds": round(time.time() - started, 1), **{k: round(v, 4) for k, v in losses.items()}}
+        row = {"iter": it + 1, "seconds": round(time.time() - started, 1), "lr": lr,
+               **{k: round(v, 4) for k, v in losses.items()}}
         done = it + 1 >= args.iters or (args.minutes and time.time() - started > args.minutes * 60)
         if (it + 1) % args.eval_every == 0 or done:
             row["eval"] = evaluate(model, eval_records, mapper_test, eval_name, post)

@@ -383,7 +383,7 @@ def _run_case(name, adapter, paths, graph_session, names, keys, images, report, 
     graph = {key: values[n] for key, n in zip(keys, names)}
     outputs = {f"[{i}]": n for i, n in enumerate(adapter.output_names)}
     for (path, call, where), t in eager.records.items():
-        expected = t.numpy()
+        expected = t.cpu().numpy()
         output = outputs.get(where) if path == "" else None  # the adapter's outputs by their graph names
         part = f" {output}" if output else where
         tolerance = output_tolerances.get(output, (atol, rtol))

@@ -70,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ProviderUnavailable) as e:
         print(f"d2export infer: error: {e}", file=sys.stderr)
         return 2
+    if predictor.session.get_providers() != ["CPUExecutionProvider"] or predictor.providers != ["CPUExecutionProvider"]:
+        print(f"d2export infer: {predictor.providers_line()}", file=sys.stderr)
     vis = Path(args.vis) if args.vis else None
     if vis:
         vis.mkdir(parents=True, exist_ok=True)

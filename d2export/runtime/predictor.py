@@ -70,6 +70,18 @@ def resolve_providers(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(chosen + [PROVIDERS["cpu"]]))
 
 
+def options_per_provider(providers: Sequence[str], tf32: bool = False,
+                         given: Sequence[dict] | None = None) -> list[dict]:
+    """Each provider's options: `given` (one dict per provider, in order) over d2export's defaults. onnxruntime's CUDA
+    provider computes convolutions and MatMuls in TF32 on Ampere and later unless told not to: 10 mantissa bits,
+    enough to swap a two-stage model's near-tied proposals (measured on R-50 TESTR: whole detections, 624 px apart),
+    so it is off unless `tf32`, and the provider serves what verification compared."""
+    given = list(given or [])
+    given += [{}] * (len(providers) - len(given))
+    return [({"use_tf32": "1" if tf32 else "0"} if p == PROVIDERS["cuda"] else {}) | dict(g)
+            for p, g in zip(providers, given)]
+
+
 class Processing:
     """The model's pre- and post-processing as its manifest describes them, without a session: cheap to build and to
     pickle, so Ray tasks and Triton's Python backend run the very code the predictor runs."""
@@ -146,8 +158,9 @@ class Predictor(Processing):
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
                  score_threshold: float | None = None, provider_options: Sequence[dict] | None = None,
                  min_size: int | None = None, max_size: int | None = None, verify_hash: bool = True,
-                 embedded_manifest: bool = False):
-        """`threads`: onnxruntime's intra-op threads (0: its default, one per core). The manifest
+                 embedded_manifest: bool = False, tf32: bool = False):
+        """`threads`: onnxruntime's intra-op threads (0: its default, one per core). `provider_options` (one dict per
+        provider) go over `options_per_provider(providers, tf32)`'s defaults: TF32 off on CUDA. The manifest
         (`model.manifest.json` beside the model) says everything else; see `Processing` for the overrides. The model
         must be the one its manifest describes (its sha256 unless `verify_hash=False`, and its inputs and outputs),
         else ModelLoadError. `embedded_manifest`: a model without a manifest beside it is served from the copy in its
@@ -166,10 +179,9 @@ class Predictor(Processing):
         except custom_ops.MissingExtra as e:
             raise ProviderUnavailable(str(e)) from None
         self.providers = resolve_providers(providers)
-        kwargs = {"provider_options": list(provider_options) + [{}] * (len(self.providers) - len(provider_options))
-                  } if provider_options else {}
         try:
-            self.session = create_session(self.model_path, options, self.providers, **kwargs)
+            self.session = create_session(self.model_path, options, self.providers,
+                                          provider_options=options_per_provider(self.providers, tf32, provider_options))
         except Exception as e:  # noqa: BLE001 - onnxruntime's protobuf/graph errors span many lines and types
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelLoadError(f"{self.model_path}: not a loadable ONNX model ({first[:300]})") from None
@@ -217,11 +229,21 @@ class Predictor(Processing):
 
     __call__ = predict
 
+    def providers_line(self) -> str:
+        """What the session really runs on, for the console: onnxruntime drops a provider it cannot load (CUDA without
+        its libraries) with no error, and TF32 decides whether the CUDA provider serves what was verified."""
+        running = self.session.get_providers()
+        options = self.session.get_provider_options()
+        shown = [p + (" (TF32 on)" if options.get(p, {}).get("use_tf32") == "1" else "") for p in running]
+        dropped = [p for p in self.providers if p not in running]
+        return "running on " + ", ".join(shown) + (f"; not available: {', '.join(dropped)}" if dropped else "")
+
     def metadata(self) -> dict[str, Any]:
         m = self.manifest
         return {"model": self.model_path.name, "family": m.family, "sha256": m.sha256, "opset": m.opset,
                 "exporter": m.exporter, "sampler": m.sampler, "precision": m.precision,
                 "providers": self.session.get_providers(),  # what the session runs on, not what was asked
+                "provider_options": self.session.get_provider_options(),
                 "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],
                 "preprocess": m.preprocess | {"min_size_test": self.min_size, "max_size_test": self.max_size},
                 "postprocess": m.postprocess | {"score_threshold": self.score_threshold},
@@ -271,6 +293,9 @@ def add_predictor_arguments(ap) -> None:
     """The command-line options every serving command shares (argparse)."""
     ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
     ap.add_argument("--providers", default="cpu", help="comma-separated: cpu, cuda, tensorrt (in priority order)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="cuda: let onnxruntime compute in TF32 (faster on Ampere and later, but not what the export "
+                         "verified: near-tied detections may change)")
     ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
     ap.add_argument("--score-threshold", type=float, default=None, help="lowest score kept (default: the manifest's)")
     ap.add_argument("--min-size", type=int, default=None, help="shortest edge to resize to (default: the manifest's)")
@@ -286,4 +311,4 @@ def add_predictor_arguments(ap) -> None:
 def predictor_from_args(args) -> Predictor:
     return Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold,
                      min_size=args.min_size, max_size=args.max_size, verify_hash=not args.no_verify_hash,
-                     embedded_manifest=args.embedded_manifest)
+                     embedded_manifest=args.embedded_manifest, tf32=args.tf32)

@@ -412,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, ProviderUnavailable) as e:
         print(f"d2export serve: error: {e}", file=sys.stderr)
         return 2
+    print(f"d2export serve: {predictor.providers_line()}", file=sys.stderr)
     app = create_app(predictor, args.max_batch, args.batch_timeout_ms, args.max_bytes, args.max_pixels,
                      args.in_flight, args.max_queue, args.queue_timeout, args.read_timeout)
     uvicorn.Server(uvicorn_config(app, args.read_timeout, host=args.host, port=args.port, log_level="info")).run()

@@ -24,8 +24,9 @@ def graph_inputs(adapter: nn.Module, images: Sequence[np.ndarray]) -> dict[str, 
 
 
 def torch_inputs(adapter: nn.Module, images: Sequence[np.ndarray]) -> tuple:
-    """CHW uint8 images → the adapter's positional tensor inputs, for tracing or an eager call."""
+    """CHW uint8 images → the adapter's positional tensor inputs, for tracing or an eager call, on its device."""
     import torch
 
     named = graph_inputs(adapter, images)
-    return tuple(torch.from_numpy(named[n]) for n in adapter.input_names)
+    device = next(adapter.parameters(), torch.empty(0)).device
+    return tuple(torch.from_numpy(named[n]).to(device) for n in adapter.input_names)

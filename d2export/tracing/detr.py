@@ -80,5 +80,5 @@ class DetrAdapter(nn.Module):
         batch = [{"image": torch.from_numpy(np.ascontiguousarray(im)).float()} for im in images]
         image_list = self.model.preprocess_image(batch)
         out = self.head(image_list)
-        sizes = torch.tensor([list(s) for s in image_list.image_sizes], dtype=torch.long)
-        return [t.numpy() for t in self.decode(out, sizes)]
+        sizes = torch.tensor([list(s) for s in image_list.image_sizes], device=image_list.tensor.device)
+        return [t.cpu().numpy() for t in self.decode(out, sizes)]

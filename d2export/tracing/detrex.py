@@ -148,4 +148,4 @@ class DetrexAdapter(DetrAdapter):
             self.model([{"image": torch.from_numpy(np.ascontiguousarray(im)).float()} for im in images])
         finally:
             del self.model.inference
-        return [torch.stack(field).numpy() for field in zip(*captured)]
+        return [torch.stack(field).cpu().numpy() for field in zip(*captured)]

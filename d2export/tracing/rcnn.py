@@ -98,7 +98,7 @@ class RCNNAdapter(nn.Module):
         """Eager outputs through the model's own code path."""
         _one(images)
         out = self._infer(self.model, torch.from_numpy(np.ascontiguousarray(images[0])).float())
-        return [out[name][None].numpy() for name in self._outputs]
+        return [out[name][None].cpu().numpy() for name in self._outputs]
 
 
 def _one(images: Sequence[np.ndarray]) -> None:
