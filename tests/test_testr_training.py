@@ -174,3 +174,27 @@ def test_targets_keep_the_characters_a_model_with_fewer_text_queries_reads():
     batch = tiny_batch()
     (target,) = build_model(cfg).prepare_targets([batch[0]["instances"]])
     assert torch.equal(target["texts"], batch[0]["instances"].text[:, :8])
+
+
+def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
+    """tools/train_spotter.py stopped after 2 steps and run again goes on at step 3 with the warm-up's learning rate
+    of step 3 (detectron2's linear warm-up from WARMUP_FACTOR over WARMUP_ITERS, computed here by hand)."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    small = ["--train-count", "2", "--eval-count", "1", "--eval-every", "100", "--size", "128x160",
+             "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1"]
+    for iters in ("2", "3"):
+        subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--out", str(tmp_path), "--iters",
+                        iters, *small], check=True, capture_output=True, timeout=300)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["total"]) for r in rows)
+    cfg = get_cfg()
+    cfg.merge_from_file(str(CONFIGS / "micro.yaml"))
+    s = cfg.SOLVER
+    for r in rows:  # the rate of iteration t (0-based) while t < WARMUP_ITERS
+        t = r["iter"] - 1
+        assert r["lr"] == pytest.approx(s.BASE_LR * (s.WARMUP_FACTOR * (1 - t / s.WARMUP_ITERS) + t / s.WARMUP_ITERS))
+    assert (tmp_path / "model_000003_fp16.pth").is_file() and "eval" in rows[-1]
