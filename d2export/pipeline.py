@@ -407,8 +407,7 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built)
     v = cfg.verify
     session = _session(path, v.providers)
     summary = verify_mod.run_reduced_precision(session, output_names, cases, v.fp16_atol, v.fp16_rtol,
-                                               v.fp16_max_mismatch, "scores", v.top_k, v.min_top_k_agreement
-                                               ) | _ran_on(session)
+                                               v.fp16_max_mismatch, "scores", v.top_k, v.min_top_k_agreement)
     if not summary["passed"]:
         results = [verify_mod.Comparison(**c) for c in summary["cases"]]
         weak = {c for c, a in summary["case_agreement"].items() if a < v.min_top_k_agreement}
@@ -423,9 +422,9 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built)
         pinned = _pin_selections(cfg, path, output_names, cases, failed, built, judge, "float16")
         if pinned:
             summary = verify_mod.reduced_summary(_with_pinned(results, pinned), agreements, v.fp16_atol, v.fp16_rtol,
-                                                 v.fp16_max_mismatch, v.top_k, v.min_top_k_agreement
-                                                 ) | _ran_on(session)
+                                                 v.fp16_max_mismatch, v.top_k, v.min_top_k_agreement)
             summary["pinned"] = [p.to_dict() for p in pinned]
+    summary |= _ran_on(session)
     log.info("float16 verification (top-%d agreement %.2f):\n%s", v.top_k, summary["top_k_agreement"],
              verify_mod.format_table([verify_mod.Comparison(**c) for c in summary["cases"]]))
     if not summary["passed"]:
