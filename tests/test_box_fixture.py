@@ -155,3 +155,29 @@ def test_the_built_model_keeps_its_own_score_threshold():
     assert len(scores) > 0 and (scores > 0.05).all()
     assert (everything <= 0.05).any() and len(everything) > len(scores)  # the adapter's run keeps low scores
     assert built.model.roi_heads.box_predictor.test_score_thresh == 0.05
+
+
+def test_the_training_script_records_what_it_made_and_resumes(tmp_path):
+    """Two steps on a handful of tiny pictures (the recipe's plumbing, not training): the weights, their record and
+    the command; run again, it starts from its last checkpoint instead of training anew."""
+    import subprocess
+    import sys
+
+    import torch
+
+    fixture = tmp_path / "fixture.pth"
+    args = [sys.executable, str(REPO / "tools" / "train_box_fixture.py"), "--out", str(tmp_path / "run"), "--iters",
+            "2", "--train-count", "4", "--held-out-count", "2", "--size", "96x96", "--fixture", str(fixture),
+            "--decay-at", "0.5", "SOLVER.IMS_PER_BATCH", "2", "MODEL.ROI_BOX_HEAD.CLS_AGNOSTIC_BBOX_REG", "True"]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(fixture.with_suffix(".json").read_text())
+    assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
+    assert record["command"].endswith("CLS_AGNOSTIC_BBOX_REG True") and record["iterations"] == 2
+    weights = torch.load(fixture, weights_only=False)["model"]
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float16}
+    assert weights["roi_heads.box_predictor.bbox_pred.weight"].shape[0] == 4  # the override reached the config
+    done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "Starting training from iteration 0" in log and "Starting training from iteration 2" in log

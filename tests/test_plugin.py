@@ -78,6 +78,52 @@ def test_stand_in_forward_and_backward_match_the_reference():
         torch.testing.assert_close(g, e, atol=1e-7, rtol=1e-6)
 
 
+class UpstreamMSDAFunction(torch.autograd.Function):
+    """How TESTR-style code calls its compiled op (saves the inputs, hands them back to the op's backward)."""
+
+    @staticmethod
+    def forward(ctx, ext, value, spatial, start, loc, attn):
+        ctx.ext = ext
+        ctx.save_for_backward(value, spatial, start, loc, attn)
+        return ext.ms_deform_attn_forward(value, spatial, start, loc, attn, 64)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        value, spatial, start, loc, attn = ctx.saved_tensors
+        grads = ctx.ext.ms_deform_attn_backward(value, spatial, start, loc, attn, grad_out, 64)
+        return None, grads[0], None, None, grads[1], grads[2]
+
+
+def test_stand_in_backward_reuses_its_forward_and_keeps_gradients_exact(monkeypatch):
+    from d2export.ops import msda
+
+    calls = []
+    core = msda.multi_scale_deformable_attention
+    monkeypatch.setattr(msda, "multi_scale_deformable_attention", lambda *a: calls.append(1) or core(*a))
+    ext = compiled_ops.make_stand_in("fake_ext")
+    value, spatial, start, loc, attn = random_msda_inputs(n=3, shapes=((5, 7), (2, 3)))
+    leaves = [t.clone().requires_grad_(True) for t in (value, loc, attn)]
+    other = (value * 2).requires_grad_(True)  # a second call on the same locations must not take the first's graph
+    grad_out = torch.randn(3, 7, 8, dtype=torch.float64)
+    first = UpstreamMSDAFunction.apply(ext, leaves[0], spatial, start, leaves[1], leaves[2])
+    second = UpstreamMSDAFunction.apply(ext, other, spatial, start, leaves[1], leaves[2])
+    got = torch.autograd.grad((first * grad_out).sum() + second.sum(), [*leaves, other])
+    ref = [t.clone().requires_grad_(True) for t in (value, loc, attn)]
+    ref_other = (value * 2).requires_grad_(True)
+    expected = torch.autograd.grad((msda_reference(ref[0], spatial, start, ref[1], ref[2]) * grad_out).sum()
+                                   + msda_reference(ref_other, spatial, start, ref[1], ref[2]).sum(), [*ref, ref_other])
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-9, rtol=1e-9)
+    assert len(calls) == 3  # two forwards; only the overwritten one's backward ran the core again
+    calls.clear()
+    out = UpstreamMSDAFunction.apply(ext, leaves[0], spatial, start, leaves[1], leaves[2])
+    out.backward(grad_out)
+    assert len(calls) == 1  # a plain training step: the backward differentiates the forward's graph
+    with torch.no_grad():  # inference: the model's tensors, computed without grad, do not require it
+        UpstreamMSDAFunction.apply(ext, leaves[0] * 1, spatial, start, leaves[1] * 1, leaves[2] * 1)
+    assert len(compiled_ops._graphs) == 0  # so no graph is kept
+
+
 class OddlyNamedAttention(nn.Module):
     """An MSDA under another name, with the Deformable-DETR call convention: found by what it has."""
 

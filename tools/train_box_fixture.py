@@ -25,7 +25,7 @@ FIXTURE = REPO / "tests" / "data" / "box_fixture.pth"
 TRAIN, HELD_OUT = ("synth_boxes_train", 0), ("synth_boxes_held_out", 1)  # (dataset name, synth seed)
 
 
-def config(out: Path, iters: int, seed: int, lr: float):
+def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.75, 0.92), opts=()):
     from detectron2.config import get_cfg
 
     cfg = get_cfg()
@@ -37,11 +37,12 @@ def config(out: Path, iters: int, seed: int, lr: float):
     cfg.SOLVER.BASE_LR = lr
     cfg.SOLVER.MAX_ITER = iters
     cfg.SOLVER.WARMUP_ITERS = min(200, iters // 4)
-    cfg.SOLVER.STEPS = (int(iters * 0.75), int(iters * 0.92))
+    cfg.SOLVER.STEPS = tuple(sorted({int(iters * f) for f in decay_at} - {0}))  # distinct, as fvcore wants
     cfg.SOLVER.CHECKPOINT_PERIOD = 100
     cfg.TEST.EVAL_PERIOD = 0
     cfg.SEED = seed
     cfg.OUTPUT_DIR = str(out)
+    cfg.merge_from_list(list(opts))
     return cfg
 
 
@@ -54,8 +55,11 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="320x320", help="picture size")
     ap.add_argument("--seed", type=int, default=0, help="training seed")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    ap.add_argument("--decay-at", default="0.75,0.92",
+                    help="where the learning rate drops tenfold, as fractions of --iters (comma-separated)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--fixture", default=str(FIXTURE), help="where to write the float16 weights ('' to skip)")
+    ap.add_argument("opts", nargs=argparse.REMAINDER, help="detectron2 config overrides: KEY VALUE ...")
     args = ap.parse_args(argv)
 
     import torch
@@ -88,12 +92,18 @@ def main(argv=None) -> int:
                                                   weight_decay_norm=0.0)
             return torch.optim.AdamW(params, lr=cfg.SOLVER.BASE_LR, weight_decay=cfg.SOLVER.WEIGHT_DECAY)
 
+        def build_hooks(self):  # the held-out score comes once, below, not also from the trainer's last hook
+            from detectron2.engine.hooks import EvalHook
+
+            return [h for h in super().build_hooks() if not isinstance(h, EvalHook)]
+
         def build_writers(self):  # the console and metrics.json; no TensorBoard
             from detectron2.utils.events import CommonMetricPrinter, JSONWriter
 
             return [CommonMetricPrinter(self.max_iter), JSONWriter(str(out / "metrics.json"))]
 
-    cfg = config(out, args.iters, args.seed, args.lr)
+    decay_at = [float(f) for f in args.decay_at.split(",")]
+    cfg = config(out, args.iters, args.seed, args.lr, decay_at, args.opts)
     started = time.time()
     trainer = Trainer(cfg)
     trainer.resume_or_load(resume=True)

@@ -13,28 +13,55 @@ import importlib.util
 import logging
 import sys
 import types
+import weakref
 from typing import Iterable
 
 import torch
+import torch.utils.weak
 
 log = logging.getLogger(__name__)
 
 
-def ms_deform_attn_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                           im2col_step=64):
+# A forward whose inputs will be differentiated keeps its autograd graph here, keyed (weakly) by its
+# sampling-locations tensor, which the caller's autograd.Function saves and hands back to the backward: the backward
+# then differentiates that graph instead of running the forward a second time (where the other two inputs are the
+# forward's too; otherwise it runs the forward again, as it always may).
+_graphs = torch.utils.weak.WeakIdKeyDictionary()
+
+
+def _core(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     from d2export.ops.msda import multi_scale_deformable_attention
 
     return multi_scale_deformable_attention(value, spatial_shapes, level_start_index, sampling_locations,
                                             attention_weights)
 
 
+def _with_graph(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """(detached leaves, output with its graph)."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (value, sampling_locations, attention_weights)]
+        return leaves, _core(leaves[0], spatial_shapes, level_start_index, leaves[1], leaves[2])
+
+
+def ms_deform_attn_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                           im2col_step=64):
+    # inside the caller's autograd.Function grad mode is off, but inputs that will be differentiated say so
+    if not any(t.requires_grad for t in (value, sampling_locations, attention_weights)):
+        return _core(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    leaves, out = _with_graph(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    _graphs[sampling_locations] = (weakref.ref(value), weakref.ref(attention_weights), leaves, out)
+    return out.detach()
+
+
 def ms_deform_attn_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
                             grad_output, im2col_step=64):
     """The compiled op's backward contract: (grad_value, grad_sampling_locations, grad_attention_weights)."""
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (value, sampling_locations, attention_weights)]
-        out = ms_deform_attn_forward(leaves[0], spatial_shapes, level_start_index, leaves[1], leaves[2])
-        return torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
+    kept = _graphs.pop(sampling_locations, None)
+    if kept and kept[0]() is value and kept[1]() is attention_weights:
+        leaves, out = kept[2:]
+    else:
+        leaves, out = _with_graph(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    return torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
 
 
 def make_stand_in(name: str) -> types.ModuleType:
