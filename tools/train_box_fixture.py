@@ -25,7 +25,7 @@ FIXTURE = REPO / "tests" / "data" / "box_fixture.pth"
 TRAIN, HELD_OUT = ("synth_boxes_train", 0), ("synth_boxes_held_out", 1)  # (dataset name, synth seed)
 
 
-def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.75, 0.92), opts=()):
+def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.75, 0.92), overrides=()):
     from detectron2.config import get_cfg
 
     cfg = get_cfg()
@@ -42,7 +42,7 @@ def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.75, 0.92), o
     cfg.TEST.EVAL_PERIOD = 0
     cfg.SEED = seed
     cfg.OUTPUT_DIR = str(out)
-    cfg.merge_from_list(list(opts))
+    cfg.merge_from_list(list(overrides))
     return cfg
 
 
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
                     help="where the learning rate drops tenfold, as fractions of --iters (comma-separated)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--fixture", default=str(FIXTURE), help="where to write the float16 weights ('' to skip)")
-    ap.add_argument("opts", nargs=argparse.REMAINDER, help="detectron2 config overrides: KEY VALUE ...")
+    ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs as detectron2 takes them")
     args = ap.parse_args(argv)
 
     import torch
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             return [CommonMetricPrinter(self.max_iter), JSONWriter(str(out / "metrics.json"))]
 
     decay_at = [float(f) for f in args.decay_at.split(",")]
-    cfg = config(out, args.iters, args.seed, args.lr, decay_at, args.opts)
+    cfg = config(out, args.iters, args.seed, args.lr, decay_at, args.overrides)
     started = time.time()
     trainer = Trainer(cfg)
     trainer.resume_or_load(resume=True)
