@@ -96,8 +96,9 @@ class VerifyConfig:
     providers: List[str] = opt(factory=lambda: ["CPUExecutionProvider"], help="onnxruntime providers for "
                                "verification (cpu, cuda, tensorrt or onnxruntime's names): verify on the one you "
                                "serve with; cuda runs with TF32 off, as `infer`/`serve` do")
-    pin_selections: bool = opt(True, "a failed case passes if the graph picked differently only among candidates "
-                               "within float noise (TopK) and every output agrees with that pick imposed on eager")
+    pin_selections: bool = opt(True, "a failed case passes if the graph picked differently (TopK, NMS) only as far "
+                               "as its own candidate values' difference from eager's (within the outputs' "
+                               "tolerances) explains, and every output agrees with that pick imposed on eager")
     ladder: bool = opt(False, "run the parity ladder (docs/ladder.md) always, not only when verification fails")
 
 

@@ -27,6 +27,7 @@ from d2export import __version__, building, progress
 from d2export.config import D2ExportConfig, check_files
 from d2export.exporting import ladder as ladder_mod
 from d2export.exporting import lint as lint_mod
+from d2export.exporting import pinning
 from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
 from d2export.manifest import Manifest, embed_manifest, graph_specs, manifest_path, sha256_file, staged
@@ -295,7 +296,7 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
     judge = lambda case, expected, actual: _all_ok(verify_mod.compare_case(  # noqa: E731
         case, expected, actual, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by, per_output))
     pinned = _pin_selections(cfg, path, output_names, cases, {r.case for r in results if not r.ok}, built, judge,
-                             "float32")
+                             pinning.Tolerances(v.atol, v.rtol, v.pixel_atol))
     results = _with_pinned(results, pinned)
     log.info("verification:\n%s", verify_mod.format_table(results))
     summary = verify_mod.summarise(results) | {
@@ -334,16 +335,15 @@ def _all_ok(comparisons: list) -> tuple[list, bool]:
 
 
 def _pin_selections(cfg: D2ExportConfig, path: Path, output_names, cases, failed_names: set, built: Built, judge,
-                    precision: str) -> list:
-    """The failed cases again with the graph's near-tied selections imposed on eager (exporting/pinning.py)."""
-    from d2export.exporting import pinning
-
+                    tolerances) -> list:
+    """The failed cases again with the graph's near-tied selections imposed on eager (exporting/pinning.py), its
+    candidate values held to `tolerances` (those of the outputs)."""
     failed = [c for c in cases if c.images is not None and c.name in failed_names]
     if not failed or not cfg.verify.pin_selections:
         return []
     with progress.busy("checking the failed cases' selections"):
         pinned = pinning.pin_cases(path, failed, output_names, lambda c: built.adapter.reference(c.images), judge,
-                                   _session_options(path), precision)
+                                   tolerances, _session_options(path))
     for p in pinned:
         log.log(logging.INFO if p.ok else logging.WARNING, "%s", p.line())
     return pinned
@@ -419,7 +419,8 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built)
             return compared, all(c.ok for c in compared) and agreements[case] >= v.min_top_k_agreement
 
         failed = weak | {r.case for r in results if not r.ok}
-        pinned = _pin_selections(cfg, path, output_names, cases, failed, built, judge, "float16")
+        pinned = _pin_selections(cfg, path, output_names, cases, failed, built, judge,
+                                 pinning.Tolerances(v.fp16_atol, v.fp16_rtol, v.fp16_atol, v.fp16_max_mismatch))
         if pinned:
             summary = verify_mod.reduced_summary(_with_pinned(results, pinned), agreements, v.fp16_atol, v.fp16_rtol,
                                                  v.fp16_max_mismatch, v.top_k, v.min_top_k_agreement)

@@ -372,7 +372,7 @@ def _run_case(name, adapter, paths, graph_session, names, keys, images, report, 
     except Exception as e:  # noqa: BLE001 - a graph that fails at this size is a finding, not a crash
         values, picks = None, []
         case.error, case.error_module = str(e).strip().splitlines()[0], module_of_node(str(e), adapter)
-    with torch.no_grad(), pinning.pinned_topk(picks, near_ties.CLOSE["float32"]) as pinner, \
+    with torch.no_grad(), pinning.pinned_selections(picks, pinning.Tolerances(atol, rtol, atol)) as pinner, \
             Recorder(adapter, paths) as eager:  # outside the export scope: the model's own code
         adapter(*torch_inputs(adapter, images))
     case.ties = [p for p in pinner.found if p.tied]

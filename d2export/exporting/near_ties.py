@@ -50,7 +50,9 @@ def attribute(node, name: str, default: int) -> int:
 
 def selecting_session(model_path: str | Path, session_options=None, providers=("CPUExecutionProvider",)):
     """A verification copy of the graph whose outputs also carry every top-level TopK's candidates, values and
-    indices (the written model is not touched): (onnxruntime session, the TopK nodes in graph order)."""
+    indices, and every NonMaxSuppression's boxes, scores and selection, also from inside an If's branch, where
+    torchvision's batched NMS puts it (the written model is not touched): (onnxruntime session, the selecting nodes
+    in graph order; an NMS as an `Exposed` whose names are the graph outputs carrying its tensors)."""
     import onnx
     import onnxruntime as ort
 
@@ -64,16 +66,62 @@ def selecting_session(model_path: str | Path, session_options=None, providers=("
     for name, dtype in wanted.items():
         if name not in known:
             model.graph.output.append(typed.get(name) or onnx.helper.make_tensor_value_info(name, dtype, None))
+    suppressions = _expose_suppressions(model.graph)
     options = session_options or ort.SessionOptions()
     options.log_severity_level = 3  # the warnings were shown when the graph itself was checked
     session = ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
-    return session, nodes
+    return session, nodes + suppressions
+
+
+@dataclass
+class Exposed:
+    """A node's tensors made graph outputs: `input` and `output` name those outputs."""
+
+    op_type: str
+    name: str
+    input: list
+    output: list
+
+
+_NMS_TENSORS = ((0, "boxes", (1, 0, 4)), (1, "scores", (1, 1, 0)), (None, "selected", (0, 3)))  # (input, name, empty)
+
+
+def _expose_suppressions(graph) -> list[Exposed]:
+    """Each NonMaxSuppression of the top level or of a top-level If's branch: its boxes, scores and selected indices
+    become graph outputs. From a branch they pass out through new outputs of the If; the other branch returns empty
+    tensors of the same types in their place."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    found = []
+    for node in [n for n in graph.node if n.op_type in ("NonMaxSuppression", "If")]:
+        branches = {a.name: a.g for a in node.attribute if a.type == a.GRAPH}
+        for key, branch in branches.items() or [(None, None)]:
+            for nms in ([node] if branch is None else [n for n in branch.node if n.op_type == "NonMaxSuppression"]):
+                exposed = Exposed("NonMaxSuppression", nms.name or nms.output[0], [], [])
+                for slot, label, empty in _NMS_TENSORS:
+                    inner = nms.input[slot] if slot is not None else nms.output[0]
+                    dtype = TensorProto.INT64 if slot is None else TensorProto.FLOAT
+                    outer = inner if branch is None else f"{exposed.name}__{label}"
+                    if branch is not None:
+                        branch.output.append(helper.make_tensor_value_info(inner, dtype, None))
+                        for other in (g for k, g in branches.items() if k != key):
+                            blank = f"{outer}__none"
+                            value = numpy_helper.from_array(np.zeros(empty, helper.tensor_dtype_to_np_dtype(dtype)))
+                            other.node.append(helper.make_node("Constant", [], [blank], value=value))
+                            other.output.append(helper.make_tensor_value_info(blank, dtype, None))
+                        node.output.append(outer)
+                    if outer not in {o.name for o in graph.output}:
+                        graph.output.append(helper.make_tensor_value_info(outer, dtype, None))
+                    (exposed.output if slot is None else exposed.input).append(outer)
+                found.append(exposed)
+    return found
 
 
 def selections(model_path: str | Path, cases, session_options=None, precision: str = "float32") -> list[Selection]:
     """Every TopK of the graph's top level, on every case: the gaps around and inside what it selected (per batch row
     and selection, the worst)."""
     session, nodes = selecting_session(model_path, session_options)
+    nodes = [n for n in nodes if n.op_type == "TopK"]
     if not nodes:
         return []
     names = [o.name for o in session.get_outputs()]

@@ -1,13 +1,14 @@
 """Verification through near-tied selections: the graph's own picks imposed on eager PyTorch.
 
-A TopK over thousands of near-equal proposal scores may pick or order candidates differently in onnxruntime and in
-PyTorch although both compute the same function (float noise differs by CPU and library). Then whole detections
-differ and a right graph would be refused depending on the machine. For a case that failed, we read every TopK's
-selection out of a verification copy of the graph (extra outputs; the written model is never touched), run eager
-again with `torch.topk`/`Tensor.topk` answering, at the matching call, with eager's own values at the graph's
-indices, and compare every output again with the normal tolerances. The case passes this way only if every
-candidate picked differently lies within float noise of eager's pick at the same position (measured on eager's own
-values) and every output then agrees. Anything else fails as it did.
+A TopK over thousands of near-equal proposal scores, or an NMS among overlapping boxes of near-equal scores, may pick
+or order candidates differently in onnxruntime and in PyTorch although both compute the same function (float noise
+differs by CPU, library and precision). Then whole detections differ and a right graph would be refused depending on
+the machine. For a case that failed, we read every TopK's and NMS's candidates and selection out of a verification
+copy of the graph (extra outputs; the written model is never touched), run eager again with `torch.topk`,
+`Tensor.topk` and torchvision's `batched_nms` answering, at the matching call, with the graph's selection, and
+compare every output again with the normal tolerances. A selection is imposed only where the graph's candidate
+values stand from eager's within the tolerances its outputs are held to, and the graph's pick is what eager's values
+give once each may move by that measured difference: float noise explains it. Anything else fails as it did.
 """
 from __future__ import annotations
 
@@ -21,15 +22,42 @@ import numpy as np
 from d2export.exporting import near_ties
 
 
+@dataclass(frozen=True)
+class Tolerances:
+    """How far the graph's candidate values may stand from eager's: as its outputs may (|d| <= atol + rtol·|eager|,
+    coordinates with `pixel_atol`, on all but a fraction `max_mismatch` of the elements)."""
+
+    atol: float
+    rtol: float
+    pixel_atol: float
+    max_mismatch: float = 0.0
+
+    def within(self, eager: np.ndarray, graph: np.ndarray, pixels: bool = False) -> tuple[float, bool]:
+        """(the largest |graph - eager|, whether the elements past their tolerance are few enough)."""
+        d = _difference(eager, graph)
+        if not d.size:
+            return 0.0, True
+        past = d > (self.pixel_atol if pixels else self.atol) + self.rtol * np.abs(eager)
+        return float(d.max()), float(past.mean()) <= self.max_mismatch
+
+
+def _difference(a, b) -> np.ndarray:
+    """|a - b| in float64, 0 where they are equal (equal infinities: masked candidates), inf where either is NaN."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    with np.errstate(invalid="ignore"):
+        d = np.where(a == b, 0.0, np.abs(a - b))
+    return np.where(np.isnan(d), np.inf, d)
+
+
 @dataclass
 class Pick:
-    """One TopK whose selection differed on a case."""
+    """One selection (TopK or NMS) that differed on a case."""
 
     node: str
     positions: int  # selected slots (over the batch rows) holding another candidate than eager's
-    gap: float  # largest difference, in eager's values, between the graph's pick and eager's at such a slot
-    bound: float  # the near-tie bound that gap had to stay within
-    why: str = ""  # set where the pick cannot be imposed: not a near-tie, or not a valid selection
+    gap: float  # the largest difference, in eager's values, that the graph's pick needed (see `_Pinner`)
+    bound: float  # what float noise explains: twice the graph's largest difference from eager at the candidates
+    why: str = ""  # set where the pick cannot be imposed: not float noise, or not a valid selection
 
     @property
     def tied(self) -> bool:
@@ -68,34 +96,58 @@ class PinnedCase:
 @dataclass
 class _GraphPick:
     node: str
-    shape: tuple  # the selected tensor's shape on this case
+    values: np.ndarray  # the graph's candidates on this case
     k: int
     axis: int  # non-negative
     largest: bool
     indices: np.ndarray
 
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.values.shape)
 
-def graph_picks(session, nodes, names: Sequence[str], case_inputs: dict) -> tuple[dict, list[_GraphPick]]:
+
+@dataclass
+class _GraphSuppression:
+    node: str
+    boxes: np.ndarray  # (N, 4) the boxes the graph's NMS saw on this case (class-offset, as traced)
+    scores: np.ndarray  # (N,)
+    keep: np.ndarray  # the kept candidates' indices, in the graph's order
+
+
+def graph_picks(session, nodes, names: Sequence[str], case_inputs: dict) -> tuple[dict, list]:
     """Run the verification copy (`near_ties.selecting_session`) on one case: the model's outputs by name, and each
-    TopK's selection in graph order."""
+    TopK's and NMS's candidates and selection, in graph order."""
     values = dict(zip(names, session.run(None, case_inputs)))
     picks = []
     for node in nodes:
+        if node.op_type == "NonMaxSuppression":
+            boxes, scores, selected = (values[n] for n in (*node.input, *node.output))
+            picks.append(_GraphSuppression(node.name, np.asarray(boxes).reshape(-1, 4), np.asarray(scores).reshape(-1),
+                                           np.asarray(selected)[:, 2]))
+            continue
         x, idx = values[node.input[0]], values[node.output[1]]
         axis = near_ties.attribute(node, "axis", -1) % x.ndim
-        picks.append(_GraphPick(node.name or node.output[0], tuple(x.shape), int(idx.shape[axis]), axis,
+        picks.append(_GraphPick(node.name or node.output[0], np.asarray(x), int(idx.shape[axis]), axis,
                                 bool(near_ties.attribute(node, "largest", 1)), np.asarray(idx)))
     return values, picks
 
 
 class _Pinner:
-    """Stands in for torch.topk during one eager run: each call is matched, in order, to the next graph TopK of the
-    same signature (selected shape, k, axis, largest) and answered with eager's values at the graph's indices where
-    the two selections differ only within `close` (relative) of eager's values."""
+    """Stands in for torch.topk and torchvision's batched NMS during one eager run.
 
-    def __init__(self, picks: list[_GraphPick], close: float, topk: Callable):
-        self.picks, self.close, self.topk = picks, close, topk
-        self.next = 0
+    Each TopK call is matched, in order, to the next graph TopK of the same signature (selected shape, k, axis,
+    largest); each batched NMS, computed as the graph computes it (one NMS over class-offset boxes), to the next graph
+    NMS over as many boxes. Where the selections differ, the graph's is imposed (eager's values at the graph's
+    indices; the graph's kept boxes) if its candidate values stand within `tolerances` of eager's and its pick is
+    what eager's values give once each may move by the largest such difference. Otherwise eager keeps its own pick
+    and the case fails as it did."""
+
+    def __init__(self, picks: list, tolerances: Tolerances, topk: Callable, suppress: Callable):
+        self.picks = [p for p in picks if isinstance(p, _GraphPick)]
+        self.suppressions = [p for p in picks if isinstance(p, _GraphSuppression)]
+        self.tolerances, self.topk, self.suppress = tolerances, topk, suppress
+        self.next = self.next_suppression = 0
         self.matched = 0
         self.found: list[Pick] = []
 
@@ -110,6 +162,24 @@ class _Pinner:
                 self.matched += 1
                 return self._impose(g, input, values, indices)
         return values, indices
+
+    def batched_nms(self, boxes, scores, idxs, iou_threshold):
+        import torch
+
+        keep = self.suppress(boxes, scores, idxs, iou_threshold)
+        for j in range(self.next_suppression, len(self.suppressions)):
+            g = self.suppressions[j]
+            if len(g.scores) == int(boxes.shape[0]):
+                self.next_suppression = j + 1
+                self.matched += 1
+                mine = keep.cpu().numpy()
+                if np.array_equal(mine, g.keep):
+                    return keep
+                pick = self._suppression(g, *(t.detach().cpu().double().numpy() for t in (boxes, scores, idxs)),
+                                         float(iou_threshold), mine)
+                self.found.append(pick)
+                return torch.as_tensor(g.keep, dtype=keep.dtype, device=keep.device) if pick.tied else keep
+        return keep
 
     def _impose(self, g: _GraphPick, x, values, indices):
         import torch
@@ -126,46 +196,145 @@ class _Pinner:
         ordered = np.sort(p, axis=-1)
         if (ordered[..., 1:] == ordered[..., :-1]).any():
             return self._refuse(g, values, indices, "the graph picked a candidate twice")
+        theirs = np.moveaxis(g.values, axis, -1)
+        noise, ok = self.tolerances.within(rows, theirs)
+        if not ok:
+            return self._refuse(g, values, indices, _not_noise(noise))
         ve, vp = np.take_along_axis(rows, e, -1), np.take_along_axis(rows, p, -1)
         differs = e != p
-        gap = float(np.abs(vp - ve)[differs].max())
-        bound = near_ties.threshold(self.close, float(np.abs(ve).mean()))
-        self.found.append(Pick(g.node, int(differs.sum()), gap, bound))
-        if gap > bound:
-            return values, indices  # a real difference: eager keeps its own pick and the case fails as before
+        noise_at = _difference(rows, theirs)
+        swapped = np.concatenate([np.take_along_axis(noise_at, i, -1)[differs] for i in (e, p)])  # those it concerns
+        self.found.append(Pick(g.node, int(differs.sum()), float(_difference(vp, ve)[differs].max()),
+                               2 * float(swapped.max())))
+        if not self.found[-1].tied:
+            return values, indices
         pinned = torch.as_tensor(g.indices, dtype=indices.dtype, device=indices.device)
         return torch.take_along_dim(x, pinned, dim=axis), pinned
+
+    def _suppression(self, g: _GraphSuppression, boxes, scores, classes, threshold: float, mine) -> Pick:
+        theirs = g.boxes.copy()
+        for c in np.unique(classes):  # the graph's boxes come offset by class, by its own largest coordinate: IoU
+            of = classes == c  # within a class is blind to a common shift, so each class's is taken out
+            theirs[of] -= np.median(theirs[of] - boxes[of])
+        shift, boxes_ok = self.tolerances.within(boxes, theirs, pixels=True)
+        noise, scores_ok = self.tolerances.within(scores, g.scores)
+        positions = _differing(mine, g.keep)
+        if not (boxes_ok and scores_ok):
+            return Pick(g.node, positions, float("inf"), 0.0, _not_noise(noise if boxes_ok else shift))
+        gap, why = _suppression_gap(boxes, scores, classes, threshold, g.keep, shift)
+        return Pick(g.node, positions, gap, 2 * noise, why)
 
     def _refuse(self, g, values, indices, why: str):
         self.found.append(Pick(g.node, 0, float("inf"), 0.0, why))
         return values, indices
 
 
-@contextlib.contextmanager
-def pinned_topk(picks: list[_GraphPick], close: float) -> Iterator[_Pinner]:
-    """Scoped: torch.topk and Tensor.topk impose the graph's picks (see `_Pinner`); restored on exit."""
-    import torch
+def _not_noise(difference: float) -> str:
+    return (f"the graph's candidates stand up to {difference:.2g} from eager's, past the tolerance of the outputs: "
+            "not float noise")
 
-    pinner = _Pinner(picks, close, torch.topk)
+
+def _differing(mine: np.ndarray, theirs: np.ndarray) -> int:
+    """Slots of two selections holding different candidates (a longer one's extra slots count)."""
+    n = min(len(mine), len(theirs))
+    return int((mine[:n] != theirs[:n]).sum()) + abs(len(mine) - len(theirs))
+
+
+def _suppression_gap(boxes, scores, classes, threshold: float, keep: np.ndarray, shift: float) -> tuple[float, str]:
+    """Whether `keep` is what greedy NMS (per class; IoU past `threshold` suppresses) gives on these boxes and
+    scores once every coordinate may move by `shift`. Greedy NMS's answer is the one set where the kept boxes of a
+    class overlap at most `threshold`, every dropped box overlaps past it a kept box of its class scoring at least as
+    high, and the kept come in falling score. Returns (gap, why): the largest score deficit those conditions needed
+    (a later kept box scoring higher; a dropped box scoring higher than every kept one that may suppress it), and why
+    `keep` is no such answer whatever the scores ('' when it may be)."""
+    n = len(scores)
+    if keep.size and (keep.min() < 0 or keep.max() >= n):
+        return float("inf"), "the graph's indices lie outside the candidates"
+    if len(np.unique(keep)) != len(keep):
+        return float("inf"), "the graph kept a candidate twice"
+    gap = float(max(np.diff(scores[keep]).max(initial=0.0), 0.0))
+    dropped = np.setdiff1d(np.arange(n), keep)
+    for c in np.unique(classes):
+        kept, out = keep[classes[keep] == c], dropped[classes[dropped] == c]
+        least, _ = _iou_bounds(boxes[kept], boxes[kept], shift)
+        np.fill_diagonal(least, 0.0)
+        if (least > threshold).any():
+            return float("inf"), "two kept boxes of a class overlap past the IoU threshold beyond float noise"
+        if not out.size:
+            continue
+        _, most = _iou_bounds(boxes[kept], boxes[out], shift)
+        deficit = np.where(most > threshold, np.maximum(scores[out][None] - scores[kept][:, None], 0.0), np.inf)
+        if not kept.size or np.isinf(deficit.min(axis=0)).any():
+            return float("inf"), "a dropped box overlaps no kept box of its class past the IoU threshold"
+        gap = max(gap, float(deficit.min(axis=0).max()))
+    return gap, ""
+
+
+def _iou_bounds(a: np.ndarray, b: np.ndarray, shift: float) -> tuple[np.ndarray, np.ndarray]:
+    """The least and the most IoU of each box of `a` with each of `b` (x0, y0, x1, y1) when every coordinate may move
+    by `shift`."""
+    out = np.array([-shift, -shift, shift, shift])
+
+    def inter(p, q):
+        w = np.minimum(p[:, None, 2], q[None, :, 2]) - np.maximum(p[:, None, 0], q[None, :, 0])
+        h = np.minimum(p[:, None, 3], q[None, :, 3]) - np.maximum(p[:, None, 1], q[None, :, 1])
+        return np.clip(w, 0, None) * np.clip(h, 0, None)
+
+    def area(p):
+        return np.clip(p[:, 2] - p[:, 0], 0, None) * np.clip(p[:, 3] - p[:, 1], 0, None)
+
+    grown_a, grown_b, shrunk_a, shrunk_b = a + out, b + out, a - out, b - out
+    most_inter, least_inter = inter(grown_a, grown_b), inter(shrunk_a, shrunk_b)
+    least_union = np.maximum(area(shrunk_a)[:, None] + area(shrunk_b)[None] - most_inter, most_inter)
+    most_union = area(grown_a)[:, None] + area(grown_b)[None] - least_inter
+    with np.errstate(divide="ignore", invalid="ignore"):
+        most = np.where(least_union > 0, np.minimum(most_inter / least_union, 1.0), 0.0)
+        least = np.where(most_union > 0, least_inter / most_union, 0.0)
+    return least, most
+
+
+def _batched_nms_as_traced(boxes, scores, idxs, iou_threshold: float):
+    """torchvision's batched NMS as it is traced (in eager, past a size, it loops over classes instead: the same
+    answer but for ties): one NMS over boxes offset by class so that no two classes overlap."""
+    import torch
+    import torchvision.ops
+
+    if boxes.numel() == 0:
+        return torch.empty((0,), dtype=torch.int64, device=boxes.device)
+    offsets = idxs.to(boxes) * (boxes.max() + 1)
+    return torchvision.ops.nms(boxes + offsets[:, None], scores, iou_threshold)
+
+
+@contextlib.contextmanager
+def pinned_selections(picks: list, tolerances: Tolerances) -> Iterator[_Pinner]:
+    """Scoped: torch.topk, Tensor.topk and torchvision's batched_nms impose the graph's picks (see `_Pinner`);
+    restored on exit."""
+    import torch
+    import torchvision.ops
+    import torchvision.ops.boxes as boxes
+
+    pinner = _Pinner(picks, tolerances, torch.topk, _batched_nms_as_traced)
     method = lambda self, *a, **kw: pinner(self, *a, **kw)  # noqa: E731
-    with mock.patch.object(torch, "topk", pinner), mock.patch.object(torch.Tensor, "topk", method):
+    with mock.patch.object(torch, "topk", pinner), mock.patch.object(torch.Tensor, "topk", method), \
+            mock.patch.object(boxes, "batched_nms", pinner.batched_nms), \
+            mock.patch.object(torchvision.ops, "batched_nms", pinner.batched_nms):
         yield pinner
 
 
 def pin_case(case, session, nodes, names: Sequence[str], output_names: Sequence[str],
              rerun: Callable[[object], list], judge: Callable[[str, dict, dict], tuple[list, bool]],
-             precision: str = "float32") -> PinnedCase:
+             tolerances: Tolerances) -> PinnedCase:
     """One failed case again, with the graph's selections imposed on eager where they differ only by float noise.
     `rerun(case)`: eager outputs in output order; `judge(case, expected, actual)`: (comparisons, ok) with the
-    normal tolerances."""
+    normal tolerances, which `tolerances` repeats for the candidates."""
     values, picks = graph_picks(session, nodes, names, case.inputs)
-    with pinned_topk(picks, near_ties.CLOSE[precision]) as pinner:
+    with pinned_selections(picks, tolerances) as pinner:
         expected = dict(zip(output_names, rerun(case)))
     result = PinnedCase(case.name, pinner.found)
     refused = [p for p in pinner.found if not p.tied]
     if not pinner.matched:
-        result.why = ("no torch.topk call of eager's matches a TopK of the graph (selected shape, k, axis): the graph "
-                      "does not select what eager selects")
+        result.why = ("no torch.topk or batched NMS call of eager's matches a TopK (selected shape, k, axis) or an NMS "
+                      "(boxes) of the graph: the graph does not select what eager selects")
     elif not pinner.found:
         result.why = "every selection the graph made is eager's own: the difference is not a tie"
     elif refused:
@@ -180,14 +349,15 @@ def pin_case(case, session, nodes, names: Sequence[str], output_names: Sequence[
 
 
 def _far(p: Pick) -> str:
-    return f"a candidate picked {p.gap:.2g} away (in eager's values) from eager's pick, past the near-tie bound {p.bound:.2g}"
+    return (f"a candidate picked {p.gap:.2g} away (in eager's values) from eager's pick, past the near-tie bound "
+            f"{p.bound:.2g} (twice the graph's largest difference from eager at the candidates)")
 
 
-def pin_cases(path, cases, output_names: Sequence[str], rerun, judge, session_options=None,
-              precision: str = "float32") -> list[PinnedCase]:
+def pin_cases(path, cases, output_names: Sequence[str], rerun, judge, tolerances: Tolerances,
+              session_options=None) -> list[PinnedCase]:
     """`pin_case` for each of `cases` (the failed ones) on the graph at `path`."""
     session, nodes = near_ties.selecting_session(path, session_options)
     if not nodes:
-        return [PinnedCase(c.name, why="the graph makes no selection (TopK)") for c in cases]
+        return [PinnedCase(c.name, why="the graph makes no selection (TopK, NMS)") for c in cases]
     names = [o.name for o in session.get_outputs()]
-    return [pin_case(c, session, nodes, names, output_names, rerun, judge, precision) for c in cases]
+    return [pin_case(c, session, nodes, names, output_names, rerun, judge, tolerances) for c in cases]
