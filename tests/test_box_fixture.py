@@ -59,34 +59,47 @@ def float16(tmp_path_factory):
 
 def test_float16_export_verifies_detection_by_detection(float16):
     """Float16 reorders this model's near-tied tail (per-class detections of one proposal score alike); it verified
-    only once detections were matched with their labels (before: labels differed in 8% and 20% of slots)."""
+    only once detections were matched with their labels (before: labels differed in 8% and 20% of slots). At AP 66,
+    float16 also makes the RPN's TopK and NMS pick other near-equal proposals on two cases (boxes 223 and 153 px
+    apart): those pass once the graph's picks are pinned."""
     manifest = float16[0]
-    assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"] is True
-    assert manifest.verification["fp16"]["providers"] == ["CPUExecutionProvider"]  # what the figures held on
+    fp16 = manifest.verification["fp16"]
+    assert manifest.precision == "float16" and fp16["passed"] is True
+    assert fp16["providers"] == ["CPUExecutionProvider"]  # what the figures held on
+    assert all(p["ok"] for p in fp16.get("pinned", []))
 
 
 def test_float16_verification_still_refuses_wrong_detections(float16):
+    """Each case verifies, as it is or with its near-tied selections pinned; detections made wrong after the graph
+    (a class mix-up, each box on its neighbour's slot, boxes shifted 30 px) are refused either way."""
     import onnxruntime as ort
 
+    from d2export.exporting import near_ties, pinning
     from d2export.exporting.verify import compare_reduced_case
 
     _, path, built, cases = float16
     v, names = built.cfg.verify, built.adapter.output_names
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    selecting, nodes = near_ties.selecting_session(path)
+    outputs = [o.name for o in selecting.get_outputs()]
+    tolerances = pinning.Tolerances(v.fp16_atol, v.fp16_rtol, v.fp16_atol, v.fp16_max_mismatch)
 
     def verdict(expected, actual):
         compared, agreement = compare_reduced_case("case", expected, actual, v.fp16_atol, v.fp16_rtol,
                                                    v.fp16_max_mismatch, "scores", v.top_k)
         return all(c.ok for c in compared) and agreement >= v.min_top_k_agreement
 
+    wrongs = {"right": lambda a: a, "relabelled": lambda a: a | {"labels": (a["labels"] + 1) % 5},
+              "boxes of others": lambda a: a | {"boxes": np.roll(a["boxes"], 1, axis=1)},
+              "shifted": lambda a: a | {"boxes": a["boxes"] + np.array([30.0, 0, 30.0, 0], np.float32)}}
     for case in cases:
         expected, actual = dict(zip(names, case.expected)), dict(zip(names, session.run(names, case.inputs)))
-        assert verdict(expected, actual), case.name
-        relabelled = actual | {"labels": (actual["labels"] + 1) % 5}  # a class mix-up
-        boxes_of_others = actual | {"boxes": np.roll(actual["boxes"], 1, axis=1)}  # each box on its neighbour's slot
-        shifted = actual | {"boxes": actual["boxes"] + np.array([30.0, 0, 30.0, 0], np.float32)}
-        for wrong in (relabelled, boxes_of_others, shifted):
-            assert not verdict(expected, wrong), case.name
+        for name, wrong in wrongs.items():
+            judge = lambda _, e, a: ([], verdict(e, wrong(a)))  # noqa: E731 - the graph's outputs made wrong
+            pinned = pinning.pin_case(case, selecting, nodes, outputs, names, lambda c: built.adapter.reference(
+                c.images), judge, tolerances)
+            passed = verdict(expected, wrong(actual)) or pinned.ok
+            assert passed == (name == "right"), (case.name, name, pinned.why)
 
 
 def iou(a, b):
@@ -115,7 +128,7 @@ def test_the_served_model_finds_the_shapes(exported, held_out):
                 matched += any(d.label == label and iou(d.box, box) >= 0.5 for d in detections)
         kept += len(detections)
         stray += sum(not any(iou(d.box, t[:4]) >= 0.5 for t in truth) for d in detections)
-    # measured: 30 of 41 shapes, 7 of 53 detections astray (a seeded model finds none); the fixture is at 55 AP
+    # a seeded model finds none; the fixture (held-out AP 66) finds most, with few confident strays
     assert shapes >= 10 and matched / shapes >= 0.6, f"{matched} of {shapes} shapes found with their class"
     assert stray <= 0.25 * kept, f"{stray} of {kept} confident detections lie on no shape"
 

@@ -25,7 +25,7 @@ FIXTURE = REPO / "tests" / "data" / "box_fixture.pth"
 TRAIN, HELD_OUT = ("synth_boxes_train", 0), ("synth_boxes_held_out", 1)  # (dataset name, synth seed)
 
 
-def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.75, 0.92), overrides=()):
+def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.8, 0.95), overrides=()):
     from detectron2.config import get_cfg
 
     cfg = get_cfg()
@@ -49,13 +49,13 @@ def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.75, 0.92), o
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/box_fixture", help="checkpoints, logs and the synthetic sets")
-    ap.add_argument("--iters", type=int, default=2200, help="training iterations (batches of 4 pictures)")
+    ap.add_argument("--iters", type=int, default=2600, help="training iterations (batches of 4 pictures)")
     ap.add_argument("--train-count", type=int, default=3000, help="training pictures")
     ap.add_argument("--held-out-count", type=int, default=300, help="held-out pictures (another seed)")
     ap.add_argument("--size", default="320x320", help="picture size")
     ap.add_argument("--seed", type=int, default=0, help="training seed")
-    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
-    ap.add_argument("--decay-at", default="0.75,0.92",
+    ap.add_argument("--lr", type=float, default=2e-3, help="AdamW's learning rate")
+    ap.add_argument("--decay-at", default="0.8,0.95",
                     help="where the learning rate drops tenfold, as fractions of --iters (comma-separated)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--fixture", default=str(FIXTURE), help="where to write the float16 weights ('' to skip)")
