@@ -198,3 +198,44 @@ def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
         t = r["iter"] - 1
         assert r["lr"] == pytest.approx(s.BASE_LR * (s.WARMUP_FACTOR * (1 - t / s.WARMUP_ITERS) + t / s.WARMUP_ITERS))
     assert (tmp_path / "model_000003_fp16.pth").is_file() and "eval" in rows[-1]
+
+
+def test_the_evaluation_reports_every_swept_threshold_from_one_run():
+    """tools/train_spotter.py's evaluate: a model with its own threshold at 0.3 finds the picture's two words (0.9,
+    0.5) and a stray (0.4). By hand: at 0.3 precision 2/3, recall 1, H-mean 80; from 0.45 on, the stray is gone
+    (H-mean 100); from 0.55 on, one word is lost (precision 1, recall 1/2: H-mean 66.67). The model runs once, at the
+    lowest threshold, and keeps its own afterwards."""
+    import importlib.util
+
+    from detectron2.data import DatasetCatalog
+    from detectron2.structures import Instances
+
+    spec = importlib.util.spec_from_file_location(
+        "train_spotter", Path(__file__).resolve().parent.parent / "tools" / "train_spotter.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def square(x, y, side=40):
+        return [x, y, x + side, y, x + side, y + side, x, y + side]
+
+    words = [square(10, 10), square(100, 60)]
+    DatasetCatalog.register("sweep_case", lambda: [{"image_id": 7, "annotations": [{"polygons": w} for w in words]}])
+
+    class Model(torch.nn.Module):
+        test_score_threshold, calls = 0.3, []
+
+        def forward(self, batch):
+            self.calls.append(self.test_score_threshold)
+            found = Instances((200, 200), scores=torch.tensor([0.9, 0.5, 0.4]),
+                              polygons=torch.tensor([words[0], words[1], square(150, 150)], dtype=torch.float32))
+            return [{"instances": found[found.scores >= self.test_score_threshold]}]
+
+    model = Model()
+    try:
+        own, sweep = script.evaluate(model, DatasetCatalog.get("sweep_case"), lambda r: r, "sweep_case", {})
+    finally:
+        DatasetCatalog.remove("sweep_case")
+    assert own["det_precision"] == pytest.approx(200 / 3) and own["det_recall"] == 100
+    assert sweep == {"0.2": 80.0, "0.25": 80.0, "0.3": 80.0, "0.35": 80.0, "0.4": 80.0, "0.45": 100.0, "0.5": 100.0,
+                     "0.55": 66.67, "0.6": 66.67}
+    assert model.calls == [min(script.SWEEP)] and model.test_score_threshold == 0.3 and model.training

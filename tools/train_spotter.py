@@ -34,18 +34,33 @@ def batches(records, mapper, size, seed, start):
         step += 1
 
 
+# Score thresholds the evaluation also reports the detection H-mean at: upstream's evaluation scripts tune
+# INFERENCE_TH_TEST on the evaluated set, so its figures are at the best of such a sweep.
+SWEEP = (0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)
+
+
 def evaluate(model, records, mapper_test, name, post):
+    """The text evaluator's figures at the model's own score threshold, and the detection H-mean at each threshold
+    of SWEEP ({threshold: H-mean}): the model runs once at the lowest, its detections filtered for the others."""
     import torch
 
     from d2export.evaluating.evaluators import TextSpottingEvaluator
 
-    evaluator = TextSpottingEvaluator(name, post)
+    own = float(model.test_score_threshold)
+    evaluators = {t: TextSpottingEvaluator(name, post) for t in sorted({own, *SWEEP})}
     model.eval()
-    with torch.no_grad():
-        for r in records:
-            evaluator.process([r], model([mapper_test(r)]))
-    model.train()
-    return evaluator.evaluate()["text"]
+    model.test_score_threshold = min(evaluators)
+    try:
+        with torch.no_grad():
+            for r in records:
+                found = model([mapper_test(r)])[0]["instances"]
+                for t, evaluator in evaluators.items():
+                    evaluator.process([r], [{"instances": found[found.scores >= t]}])
+    finally:
+        model.test_score_threshold = own
+        model.train()
+    figures = {t: evaluator.evaluate()["text"] for t, evaluator in evaluators.items()}
+    return figures[own], {f"{t:g}": round(f["det_hmean"], 2) for t, f in figures.items()}
 
 
 def main(argv=None) -> int:
@@ -130,8 +145,10 @@ def main(argv=None) -> int:
                **{k: round(v, 4) for k, v in losses.items()}}
         done = it + 1 >= args.iters or (args.minutes and time.time() - started > args.minutes * 60)
         if (it + 1) % args.eval_every == 0 or done:
-            row["eval"] = evaluate(model, eval_records, mapper_test, eval_name, post)
-            bar.write(f"iter {it + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["eval"].items()))
+            row["eval"], row["sweep"] = evaluate(model, eval_records, mapper_test, eval_name, post)
+            best = max(row["sweep"], key=row["sweep"].get)
+            bar.write(f"iter {it + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["eval"].items())
+                      + f"; best det_hmean {row['sweep'][best]:.1f} at score threshold {best}")
             save_checkpoint(last, model, optimizer, it + 1)
             save_weights_fp16(out / f"model_{it + 1:06d}_fp16.pth", model, it + 1)
         log.write(json.dumps(row) + "\n")
