@@ -236,6 +236,6 @@ def test_the_evaluation_reports_every_swept_threshold_from_one_run():
     finally:
         DatasetCatalog.remove("sweep_case")
     assert own["det_precision"] == pytest.approx(200 / 3) and own["det_recall"] == 100
-    assert sweep == {"0.2": 80.0, "0.25": 80.0, "0.3": 80.0, "0.35": 80.0, "0.4": 80.0, "0.45": 100.0, "0.5": 100.0,
-                     "0.55": 66.67, "0.6": 66.67}
+    assert sweep == pytest.approx({"0.2": 80, "0.25": 80, "0.3": 80, "0.35": 80, "0.4": 80, "0.45": 100, "0.5": 100,
+                                   "0.55": 200 / 3, "0.6": 200 / 3})
     assert model.calls == [min(script.SWEEP)] and model.test_score_threshold == 0.3 and model.training

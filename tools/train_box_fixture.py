@@ -49,7 +49,7 @@ def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.8, 0.95), ov
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/box_fixture", help="checkpoints, logs and the synthetic sets")
-    ap.add_argument("--iters", type=int, default=2600, help="training iterations (batches of 4 pictures)")
+    ap.add_argument("--iters", type=int, default=4500, help="training iterations (batches of 4 pictures)")
     ap.add_argument("--train-count", type=int, default=3000, help="training pictures")
     ap.add_argument("--held-out-count", type=int, default=300, help="held-out pictures (another seed)")
     ap.add_argument("--size", default="320x320", help="picture size")

@@ -60,7 +60,7 @@ def evaluate(model, records, mapper_test, name, post):
         model.test_score_threshold = own
         model.train()
     figures = {t: evaluator.evaluate()["text"] for t, evaluator in evaluators.items()}
-    return figures[own], {f"{t:g}": round(f["det_hmean"], 2) for t, f in figures.items()}
+    return figures[own], {f"{t:g}": f["det_hmean"] for t, f in figures.items()}
 
 
 def main(argv=None) -> int:
