@@ -47,19 +47,18 @@ def evaluate(model, records, mapper_test, name, post):
     from d2export.evaluating.evaluators import TextSpottingEvaluator
 
     own = float(model.test_score_threshold)
-    evaluators = {t: TextSpottingEvaluator(name, post) for t in sorted({own, *SWEEP})}
+    thresholds = sorted({own, *SWEEP})
+    evaluator = TextSpottingEvaluator(name, post, thresholds)
     model.eval()
-    model.test_score_threshold = min(evaluators)
+    model.test_score_threshold = thresholds[0]
     try:
         with torch.no_grad():
             for r in records:
-                found = model([mapper_test(r)])[0]["instances"]
-                for t, evaluator in evaluators.items():
-                    evaluator.process([r], [{"instances": found[found.scores >= t]}])
+                evaluator.process([r], model([mapper_test(r)]))
     finally:
         model.test_score_threshold = own
         model.train()
-    figures = {t: evaluator.evaluate()["text"] for t, evaluator in evaluators.items()}
+    figures = evaluator.evaluate()["text_by_threshold"]
     return figures[own], {f"{t:g}": f["det_hmean"] for t, f in figures.items()}
 
 

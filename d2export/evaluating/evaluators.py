@@ -36,28 +36,37 @@ def ground_truth_words(record: dict, voc_size: int) -> list[Word]:
 class TextSpottingEvaluator(DatasetEvaluator):
     """Detection precision/recall/H-mean at polygon IoU 0.5 and end-to-end word accuracy without lexicon
     (see text_metrics). Detections are read as `to_prediction` reads a model's Instances: the outline (`bd`,
-    `polygons`, Bézier outline) and the text (`texts`, or `recs` read with the model's character set)."""
+    `polygons`, Bézier outline) and the text (`texts`, or `recs` read with the model's character set).
+    With `thresholds`, the same figures also for the detections scoring at least each of them (`text_by_threshold`):
+    a score-threshold sweep from one run of a model whose own threshold is at or below the lowest."""
 
-    def __init__(self, dataset_name: str, post: dict[str, Any]):
+    def __init__(self, dataset_name: str, post: dict[str, Any], thresholds=()):
         from detectron2.data import DatasetCatalog, MetadataCatalog
 
         voc_size = int(getattr(MetadataCatalog.get(dataset_name), "voc_size", 96))
         self._truth = {r["image_id"]: ground_truth_words(r, voc_size) for r in DatasetCatalog.get(dataset_name)}
         self._post = post
+        self._thresholds = tuple(thresholds)
         self.reset()
 
     def reset(self) -> None:
-        self._counts = Counts()
+        self._counts = {t: Counts() for t in (None, *self._thresholds)}  # None: every detection
 
     def process(self, inputs, outputs) -> None:
         for given, out in zip(inputs, outputs):
-            found = to_prediction(out["instances"].to("cpu"), self._post).instances
-            detections = [Word(np.asarray(i.boundary or i.polygon, np.float64).reshape(-1, 2), i.text or "")
-                          for i in found if (i.boundary or i.polygon)]
-            self._counts = self._counts + count(self._truth[given["image_id"]], detections)
+            found = [(i.score, Word(np.asarray(i.boundary or i.polygon, np.float64).reshape(-1, 2), i.text or ""))
+                     for i in to_prediction(out["instances"].to("cpu"), self._post).instances
+                     if (i.boundary or i.polygon)]
+            truth = self._truth[given["image_id"]]
+            for t in self._counts:
+                kept = [word for score, word in found if t is None or score >= t]
+                self._counts[t] = self._counts[t] + count(truth, kept)
 
     def evaluate(self):
-        return OrderedDict(text=self._counts.summary())
+        figures = OrderedDict(text=self._counts[None].summary())
+        if self._thresholds:
+            figures["text_by_threshold"] = {t: self._counts[t].summary() for t in self._thresholds}
+        return figures
 
 
 class Over(DatasetEvaluator):
