@@ -426,7 +426,9 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built)
                                                  v.fp16_max_mismatch, v.top_k, v.min_top_k_agreement)
             summary["pinned"] = [p.to_dict() for p in pinned]
     summary |= _ran_on(session)
-    log.info("float16 verification (top-%d agreement %.2f):\n%s", v.top_k, summary["top_k_agreement"],
+    at_cut = sum(c.get("at_cut", 0) for c in summary["cases"] if c["output"] == "scores")
+    log.info("float16 verification (top-%d agreement %.2f; %d detection(s) came and went at the lists' cut):\n%s",
+             v.top_k, summary["top_k_agreement"], at_cut,
              verify_mod.format_table([verify_mod.Comparison(**c) for c in summary["cases"]]))
     if not summary["passed"]:
         failed = [verify_mod.Comparison(**c) for c in summary["cases"] if not c["ok"]]

@@ -61,7 +61,8 @@ def test_float16_export_verifies_detection_by_detection(float16):
     """Float16 reorders this model's near-tied tail (per-class detections of one proposal score alike); it verified
     only once detections were matched with their labels (before: labels differed in 8% and 20% of slots). At AP 66,
     float16 also makes the RPN's TopK and NMS pick other near-equal proposals on two cases (boxes 223 and 153 px
-    apart): those pass once the graph's picks are pinned."""
+    apart): those pass once the graph's picks are pinned. At AP 74 it changes which of the tail's near-equal scores
+    (0.0003 to 0.05) make the 50-slot cut: 2 or 3 such pairs a case are left out as come-and-go at the cut."""
     manifest = float16[0]
     fp16 = manifest.verification["fp16"]
     assert manifest.precision == "float16" and fp16["passed"] is True
@@ -128,7 +129,7 @@ def test_the_served_model_finds_the_shapes(exported, held_out):
                 matched += any(d.label == label and iou(d.box, box) >= 0.5 for d in detections)
         kept += len(detections)
         stray += sum(not any(iou(d.box, t[:4]) >= 0.5 for t in truth) for d in detections)
-    # a seeded model finds none; the fixture (held-out AP 66) finds most, with few confident strays
+    # a seeded model finds none; the fixture (held-out AP 74) finds most, with few confident strays
     assert shapes >= 10 and matched / shapes >= 0.6, f"{matched} of {shapes} shapes found with their class"
     assert stray <= 0.25 * kept, f"{stray} of {kept} confident detections lie on no shape"
 
@@ -181,12 +182,14 @@ def test_the_training_script_records_what_it_made_and_resumes(tmp_path):
     fixture = tmp_path / "fixture.pth"
     args = [sys.executable, str(REPO / "tools" / "train_box_fixture.py"), "--out", str(tmp_path / "run"), "--iters",
             "2", "--train-count", "4", "--held-out-count", "2", "--size", "96x96", "--fixture", str(fixture),
-            "--decay-at", "0.5", "SOLVER.IMS_PER_BATCH", "2", "MODEL.ROI_BOX_HEAD.CLS_AGNOSTIC_BBOX_REG", "True"]
+            "--decay-at", "0.5", "--bf16", "SOLVER.IMS_PER_BATCH", "2", "MODEL.ROI_BOX_HEAD.CLS_AGNOSTIC_BBOX_REG",
+            "True"]
     done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(fixture.with_suffix(".json").read_text())
     assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
     assert record["command"].endswith("CLS_AGNOSTIC_BBOX_REG True") and record["iterations"] == 2
+    assert record["precision"] == "bfloat16 autocast"
     weights = torch.load(fixture, weights_only=False)["model"]
     assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float16}
     assert weights["roi_heads.box_predictor.bbox_pred.weight"].shape[0] == 4  # the override reached the config

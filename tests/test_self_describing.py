@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-from d2export.exporting.verify import match_slots, top_k_agreement
+from d2export.exporting.verify import compare_reduced_case, match_slots, top_k_agreement
 from d2export.imaging import synthetic_image
 from d2export.manifest import METADATA_KEY, Manifest, manifest_path
 from d2export.runtime import Predictor
@@ -99,6 +99,37 @@ def test_a_detection_is_matched_to_one_of_its_own_class():
     assert match_slots(expected, actual, "scores").tolist() == [[0, 1, 2]]
     floats_only = {k: v for k, v in expected.items() if k != "labels"}
     assert match_slots(floats_only, actual, "scores").tolist() == [[1, 0, 2]]  # what it did before ids counted
+
+
+def _detections(scores, boxes, labels):
+    return {"boxes": np.asarray(boxes, np.float32)[None], "scores": np.asarray(scores, np.float32)[None],
+            "labels": np.asarray(labels, np.int64)[None]}
+
+
+def test_a_detection_at_the_lists_cut_may_come_and_go_but_no_other():
+    """A list keeps its K best detections: one scoring within the score tolerance of the other list's lowest may
+    drop out under float16 noise, and another takes its slot. Any other missing or changed detection is refused."""
+    boxes = [[10, 10, 60, 60], [100, 20, 180, 90], [30, 200, 90, 260], [200, 200, 260, 280]]
+    elsewhere = [250, 10, 300, 50]  # a detection the other list does not have
+
+    def verdict(expected, actual):
+        compared, agreement = compare_reduced_case("case", expected, actual, 0.05, 0.05, 0.0, "scores", 2)
+        return all(c.ok for c in compared) and agreement == 1.0, compared[0].at_cut
+
+    expected = _detections([0.9, 0.6, 0.031, 0.030], boxes, [0, 1, 2, 3])
+    assert verdict(expected, {k: v.copy() for k, v in expected.items()}) == (True, 0)
+    tail_swapped = _detections([0.9, 0.6, 0.031, 0.029], boxes[:3] + [elsewhere], [0, 1, 2, 4])
+    assert verdict(expected, tail_swapped) == (True, 1)
+    # refused: a detection scoring 0.2 over a cut at 0.03 is lost; one above the cut moved; labels or boxes changed
+    clear = _detections([0.9, 0.6, 0.2, 0.030], boxes, [0, 1, 2, 3])
+    assert verdict(clear, _detections([0.9, 0.6, 0.031, 0.030], boxes[:2] + [elsewhere, boxes[3]], [0, 1, 4, 3])) \
+        == (False, 0)
+    moved = _detections([0.9, 0.6, 0.031, 0.030], [boxes[0], elsewhere] + boxes[2:], [0, 1, 2, 3])
+    assert verdict(expected, moved)[0] is False
+    relabelled = _detections([0.9, 0.6, 0.031, 0.030], boxes, [1, 2, 3, 4])
+    assert verdict(expected, relabelled) == (False, 2)  # the two at the cut are excused, the two above are not
+    shifted = _detections([0.9, 0.6, 0.031, 0.030], np.asarray(boxes) + [30, 0, 30, 0], [0, 1, 2, 3])
+    assert verdict(expected, shifted)[0] is False
 
 
 def test_a_lone_model_serves_from_its_metadata(tiny_export, tmp_path):
