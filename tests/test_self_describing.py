@@ -130,6 +130,7 @@ def test_a_detection_at_the_lists_cut_may_come_and_go_but_no_other():
     assert verdict(expected, relabelled) == (False, 2)  # the two at the cut are excused, the two above are not
     shifted = _detections([0.9, 0.6, 0.031, 0.030], np.asarray(boxes) + [30, 0, 30, 0], [0, 1, 2, 3])
     assert verdict(expected, shifted)[0] is False
+    assert verdict(expected, tail_swapped | {"scores": tail_swapped["scores"][:, :3]}) == (False, 0)  # wrong layout
 
 
 def test_a_lone_model_serves_from_its_metadata(tiny_export, tmp_path):
