@@ -49,17 +49,26 @@ def difference(expected: np.ndarray, actual: np.ndarray, atol: float, rtol: floa
         return Difference(float("inf"), float("inf"), 1.0, None, False)
     if expected.size == 0:
         return Difference(0.0, 0.0, 0.0, None, True)
-    e, a = expected.astype(np.float64), actual.astype(np.float64)
+    diff, finite_e, bad = _elementwise(expected, actual, atol, rtol)
     with np.errstate(all="ignore"):
-        same = (e == a) | (np.isnan(e) & np.isnan(a))
-        diff = np.where(same, 0.0, np.nan_to_num(np.abs(a - e), nan=np.inf))
-        finite_e = np.where(np.isfinite(e), e, 0.0)
-        bad = diff > atol + rtol * np.abs(finite_e)
         rel = np.where(np.isfinite(diff), diff / np.maximum(np.abs(finite_e), 1e-6), 0.0)
     mismatch = float(bad.mean())
     allowed = max_mismatch if expected.dtype.kind in "biu" else 0.0
     first = [int(i) for i in np.unravel_index(int(np.argmax(bad)), bad.shape)] if bad.any() else None
     return Difference(float(diff.max()), float(rel.max()), mismatch, first, mismatch <= allowed)
+
+
+def _elementwise(expected: np.ndarray, actual: np.ndarray, atol: float,
+                 rtol: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """|actual - expected| in float64 (0 where equal, NaNs included; inf where one side alone is not finite),
+    `expected` with non-finite values as 0 (what tolerances scale with), and where the first lies outside
+    atol + rtol·|expected|."""
+    e, a = np.asarray(expected, np.float64), np.asarray(actual, np.float64)
+    with np.errstate(all="ignore"):
+        same = (e == a) | (np.isnan(e) & np.isnan(a))
+        diff = np.where(same, 0.0, np.nan_to_num(np.abs(a - e), nan=np.inf))
+    finite_e = np.where(np.isfinite(e), e, 0.0)
+    return diff, finite_e, diff > atol + rtol * np.abs(finite_e)
 
 
 def compare(case: str, name: str, expected: np.ndarray, actual: np.ndarray, atol: float, rtol: float,
@@ -197,9 +206,9 @@ def at_the_cut(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], o
         return np.zeros((n, k), dtype=bool)
     agrees = np.ones((n, k), dtype=bool)
     for name, a in paired.items():
-        e, a = expected[name].reshape(n, k, -1).astype(np.float64), a.reshape(n, k, -1).astype(np.float64)
-        near = (e == a) if expected[name].dtype.kind != "f" else np.abs(a - e) <= atol + rtol * np.abs(e)
-        agrees &= near.all(-1)
+        e = expected[name]  # ids: a pair agrees only on the same ones
+        near = ~_elementwise(e, a, atol, rtol)[2] if e.dtype.kind == "f" else e == a
+        agrees &= near.reshape(n, k, -1).all(-1)
     e_s, a_s = expected[score_output].astype(np.float64), paired[score_output].astype(np.float64)
     reach = lambda cut: cut + atol + rtol * np.abs(cut)  # noqa: E731 - the highest score noise can carry to the cut
     e_cut, a_cut = e_s.min(axis=1, keepdims=True), a_s.min(axis=1, keepdims=True)
