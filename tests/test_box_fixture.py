@@ -1,4 +1,4 @@
-"""The box fixture (tests/data/box_fixture.pth): a small Faster R-CNN trained on synthetic shapes that really
+"""The box fixture (tests/data/box_fixture.pth): a small Cascade R-CNN trained on synthetic shapes that really
 detects — exported, verified, served and evaluated with figures that mean something."""
 import hashlib
 import json
@@ -129,7 +129,7 @@ def test_the_served_model_finds_the_shapes(exported, held_out):
                 matched += any(d.label == label and iou(d.box, box) >= 0.5 for d in detections)
         kept += len(detections)
         stray += sum(not any(iou(d.box, t[:4]) >= 0.5 for t in truth) for d in detections)
-    # a seeded model finds none; the fixture (held-out AP 74) finds most, with few confident strays
+    # a seeded model finds none; the fixture (held-out AP 81) finds most, with few confident strays
     assert shapes >= 10 and matched / shapes >= 0.6, f"{matched} of {shapes} shapes found with their class"
     assert stray <= 0.25 * kept, f"{stray} of {kept} confident detections lie on no shape"
 
@@ -159,16 +159,17 @@ def test_the_built_model_keeps_its_own_score_threshold():
     from d2export.config import load
 
     built = pipeline.prepare(load("boxdet", ["export.output_dir=unused"]))
-    assert built.model.roi_heads.box_predictor.test_score_thresh == 0.05
+    predictors = built.model.roi_heads.box_predictor  # one a cascade stage
+    assert len(predictors) == 3 and {p.test_score_thresh for p in predictors} == {0.01}
     from d2export.datasets import draw
 
     picture = np.ascontiguousarray(draw("boxes", 7, 0, 320, 320)[0][:, :, ::-1].transpose(2, 0, 1))  # BGR, CHW
     with torch.no_grad():
         scores = built.model([{"image": torch.from_numpy(picture).float()}])[0]["instances"].scores
         everything = built.adapter.reference([picture])[built.adapter.output_names.index("scores")][0]
-    assert len(scores) > 0 and (scores > 0.05).all()
-    assert (everything <= 0.05).any() and len(everything) > len(scores)  # the adapter's run keeps low scores
-    assert built.model.roi_heads.box_predictor.test_score_thresh == 0.05
+    assert len(scores) > 0 and (scores > 0.01).all()
+    assert (everything <= 0.01).any() and len(everything) > len(scores)  # the adapter's run keeps low scores
+    assert {p.test_score_thresh for p in predictors} == {0.01}
 
 
 def test_the_training_script_records_what_it_made_and_resumes(tmp_path):
@@ -182,17 +183,17 @@ def test_the_training_script_records_what_it_made_and_resumes(tmp_path):
     fixture = tmp_path / "fixture.pth"
     args = [sys.executable, str(REPO / "tools" / "train_box_fixture.py"), "--out", str(tmp_path / "run"), "--iters",
             "2", "--train-count", "4", "--held-out-count", "2", "--size", "96x96", "--fixture", str(fixture),
-            "--decay-at", "0.5", "--bf16", "SOLVER.IMS_PER_BATCH", "2", "MODEL.ROI_BOX_HEAD.CLS_AGNOSTIC_BBOX_REG",
-            "True"]
+            "--decay-at", "0.5", "--bf16", "SOLVER.IMS_PER_BATCH", "2", "MODEL.ROI_BOX_HEAD.FC_DIM", "32"]
     done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(fixture.with_suffix(".json").read_text())
     assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
-    assert record["command"].endswith("CLS_AGNOSTIC_BBOX_REG True") and record["iterations"] == 2
+    assert record["command"].endswith("FC_DIM 32") and record["iterations"] == 2
     assert record["precision"] == "bfloat16 autocast"
     weights = torch.load(fixture, weights_only=False)["model"]
     assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.float16}
-    assert weights["roi_heads.box_predictor.bbox_pred.weight"].shape[0] == 4  # the override reached the config
+    assert weights["roi_heads.box_head.0.fc1.weight"].shape[0] == 32  # the override reached the config
+    assert weights["roi_heads.box_predictor.2.bbox_pred.weight"].shape[0] == 4  # the recipe's: 3 stages, agnostic
     done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     log = (tmp_path / "run" / "log.txt").read_text()

@@ -133,6 +133,25 @@ def test_a_detection_at_the_lists_cut_may_come_and_go_but_no_other():
     assert verdict(expected, tail_swapped | {"scores": tail_swapped["scores"][:, :3]}) == (False, 0)  # wrong layout
 
 
+def test_pairs_left_out_at_the_cut_do_not_dilute_the_rest():
+    """A list of 50 whose tail (48 detections under 0.05) lies within the score tolerance of its cut: shifting every
+    box 30 px leaves 4 wrong elements of 200 (2%, under a 5% allowance) but 4 of the 8 compared once the tail is
+    left out. Refused; the same list with its whole tail swapped for other detections passes."""
+    rng = np.random.default_rng(0)
+    corner = rng.uniform(0, 300, (50, 2))
+    boxes = np.concatenate([corner, corner + rng.uniform(20, 80, (50, 2))], axis=1)
+    scores = np.concatenate([[0.9, 0.6], np.linspace(0.03, 0.01, 48)])
+    expected = _detections(scores, boxes, np.arange(50) % 5)
+
+    def verdict(actual):
+        compared, agreement = compare_reduced_case("case", expected, actual, 0.05, 0.05, 0.05, "scores", 2)
+        return all(c.ok for c in compared) and agreement == 1.0, compared[0].at_cut
+
+    other_tail = np.concatenate([boxes[:2], boxes[2:] + 1000])  # far from any of the expected
+    assert verdict(_detections(scores, other_tail, np.arange(50) % 5)) == (True, 48)
+    assert verdict(_detections(scores, boxes + [30, 0, 30, 0], np.arange(50) % 5)) == (False, 48)
+
+
 def test_a_lone_model_serves_from_its_metadata(tiny_export, tmp_path):
     _, manifest, path = tiny_export
     props = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
