@@ -193,20 +193,21 @@ def _per_slot(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], n:
             if e.dtype.kind in "fbiu" and e.ndim >= 2 and e.shape[:2] == (n, k) and actual[name].shape == e.shape]
 
 
-def at_the_cut(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], order: np.ndarray, score_output: str,
-               atol: float, rtol: float) -> np.ndarray:
-    """[N, K] bool: expected slots whose matched pair disagrees but may have come and gone where the list is cut.
+def at_the_cut(expected: dict[str, np.ndarray], paired: dict[str, np.ndarray], score_output: str, atol: float,
+               rtol: float) -> np.ndarray:
+    """[N, K] bool: expected slots whose matched pair (`paired`: the graph's outputs in the expected order, as
+    `reordered` gives them) disagrees but may have come and gone where the list is cut.
     A list keeps the K best-scoring detections; one scoring within the score tolerance of the other list's lowest
     kept score may fall out of that list under noise the tolerance allows, and another takes its slot. Such a pair
     is excused only if both of its scores lie within the tolerance of the other list's cut: a detection that scores
     clearly above the cut must still be found, with its outputs within tolerance."""
-    n, k = order.shape
-    paired = {name: reordered(actual[name], order) for name in _per_slot(expected, actual, n, k)}
-    if score_output not in paired:  # the scores' layouts differ: nothing is excused
+    n, k = expected[score_output].shape[:2]
+    per_slot = _per_slot(expected, paired, n, k)
+    if score_output not in per_slot:  # the scores' layouts differ: nothing is excused
         return np.zeros((n, k), dtype=bool)
     agrees = np.ones((n, k), dtype=bool)
-    for name, a in paired.items():
-        e = expected[name]  # ids: a pair agrees only on the same ones
+    for name in per_slot:
+        e, a = expected[name], paired[name]  # ids: a pair agrees only on the same ones
         near = ~_elementwise(e, a, atol, rtol)[2] if e.dtype.kind == "f" else e == a
         agrees &= near.reshape(n, k, -1).all(-1)
     e_s, a_s = expected[score_output].astype(np.float64), paired[score_output].astype(np.float64)
@@ -250,11 +251,11 @@ def compare_reduced_case(case: str, expected: dict[str, np.ndarray], actual: dic
     cannot hide the detections above it. Returns the comparisons and the fraction of the top-`top_k` detections by
     `score_output` that are the same ones (1.0 without scores)."""
     order = match_slots(expected, actual, score_output) if score_output in actual else None
-    cut = None if order is None else at_the_cut(expected, actual, order, score_output, atol, rtol)
+    paired = {name: reordered(actual[name], order) for name in expected}
+    cut = None if order is None else at_the_cut(expected, paired, score_output, atol, rtol)
     results = []
     for name, e in expected.items():
-        a = reordered(actual[name], order)
-        excused = 0
+        a, excused = paired[name], 0
         if cut is not None and a.shape == e.shape and a.shape[:2] == cut.shape:
             e, a, excused = e[~cut], a[~cut], int(cut.sum())  # [pairs kept, ...]
         d = difference(e, a, atol, rtol)
