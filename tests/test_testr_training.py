@@ -1,6 +1,7 @@
 """Training for the TESTR stand-in (third_party/testr): the matchers against hand-built costs, each loss against a
 hand-computed value, three steps on a fixed batch lowering the loss, and a trainer checkpoint of the R-50
 configuration loading strictly with upstream's keys and shapes."""
+import hashlib
 import math
 from pathlib import Path
 
@@ -51,6 +52,49 @@ def test_point_matcher_cost_is_class_plus_point_l1():
                 [cls + 5 * (0.5 + 0.5 + 0.8 + 0.5), cls + 5 * (0.1 + 0.1 + 0.3 + 0.1)]]
     (cost,) = matcher.costs(outputs, [{"ctrl_points": words, "labels": torch.zeros(2, dtype=torch.long)}])
     np.testing.assert_allclose(cost.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_reference_cost_matches_a_query_to_the_word_its_text_branch_samples():
+    """Query 1's points lie on word 0, but its reference box sits on word 1 and query 0's on word 0: upstream's
+    cost (ref_weight 0) pairs query 1 with word 0; with the reference cost each query takes the word it samples."""
+    points = torch.tensor([[[0.40, 0.40], [0.60, 0.40]],  # query 0: between the words
+                           [[0.50, 0.30], [0.70, 0.30]]])  # query 1: on word 0
+    references = torch.tensor([[[0.60, 0.30, 0.2, 0.1],  # query 0's box: on word 0
+                                [0.40, 0.60, 0.2, 0.1]]])  # query 1's box: on word 1
+    words = {"ctrl_points": torch.tensor([[[0.50, 0.30], [0.70, 0.30]], [[0.30, 0.60], [0.50, 0.60]]]),
+             "boxes": torch.tensor([[0.60, 0.30, 0.2, 0.05], [0.40, 0.60, 0.2, 0.05]]),
+             "labels": torch.zeros(2, dtype=torch.long)}
+    outputs = {"pred_logits": torch.zeros(1, 2, 2, 1), "pred_ctrl_points": points[None],
+               "pred_references": references}
+    (q, w), = CtrlPointHungarianMatcher(2.0, 5.0)(outputs, [words])
+    assert dict(zip(q.tolist(), w.tolist())) == {0: 1, 1: 0}
+    matcher = CtrlPointHungarianMatcher(2.0, 5.0, ref_weight=50.0)
+    (q, w), = matcher(outputs, [words])
+    assert dict(zip(q.tolist(), w.tolist())) == {0: 0, 1: 1}
+    (with_refs,), (without,) = matcher.costs(outputs, [words]), CtrlPointHungarianMatcher(2.0, 5.0).costs(outputs,
+                                                                                                          [words])
+    # by hand: 50 x the L1 distance between the reference centre and the word box's centre
+    np.testing.assert_allclose((with_refs - without).numpy(), 50 * np.array([[0.0, 0.5], [0.5, 0.0]]), atol=1e-5)
+
+
+def test_the_model_hands_its_references_to_the_matcher_only_in_training():
+    cfg = get_cfg()
+    cfg.merge_from_file(str(Path(__file__).resolve().parent.parent / "third_party/testr/configs/micro.yaml"))
+    cfg.MODEL.TRANSFORMER.LOSS.POINT_REF_WEIGHT = 50.0
+    from detectron2.modeling import build_model
+    from detectron2.structures import ImageList
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    assert model.criterion.point_matcher.ref_weight == 50.0
+    images = ImageList.from_tensors([torch.randn(3, 64, 96)])
+    model.train()
+    out = model.testr(images)
+    q = cfg.MODEL.TRANSFORMER.NUM_QUERIES
+    assert out["pred_references"].shape == (1, q, 4) and out["pred_logits"].shape[1] == q
+    model.eval()
+    with torch.no_grad():
+        assert "pred_references" not in model.testr(images)
 
 
 def test_box_matcher_cost_is_class_l1_and_giou():
@@ -198,6 +242,21 @@ def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
         t = r["iter"] - 1
         assert r["lr"] == pytest.approx(s.BASE_LR * (s.WARMUP_FACTOR * (1 - t / s.WARMUP_ITERS) + t / s.WARMUP_ITERS))
     assert (tmp_path / "model_000003_fp16.pth").is_file() and "eval" in rows[-1]
+
+    # done: --fixture trains no further, scores the float16 weights on another seed and writes them with a record
+    fixture = tmp_path / "fixture" / "spotter.pth"
+    subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--out", str(tmp_path), "--iters", "3",
+                    "--fixture", str(fixture), "--final-count", "2", "--final-seed", "5", *small], check=True,
+                   capture_output=True, timeout=300)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    record = json.loads(fixture.with_suffix(".json").read_text())
+    assert fixture.read_bytes() == (tmp_path / "model_000003_fp16.pth").read_bytes()
+    assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
+    assert record["held_out"]["seed"] == 5 and record["held_out"]["count"] == 2 and "det_hmean" in record["held_out"]
+    assert [r["iter"] for r in record["curve"]] == [2, 3]  # each run's last step is evaluated
+    # two runs of the script, their clocks each starting at 0: the time is their sum
+    assert record["train_seconds"] == round(rows[1]["seconds"] + rows[2]["seconds"])
+    assert "--fixture" in record["command"] and "threads" in record["machine"]
 
 
 def test_the_evaluation_reports_every_swept_threshold_from_one_run():

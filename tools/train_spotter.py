@@ -7,10 +7,15 @@ end-to-end H-mean) on the evaluation pictures; float16 weight snapshots of a few
 
     python tools/train_spotter.py --out outputs/spotter_overfit --train-count 32 --eval-on train --iters 400
     python tools/train_spotter.py --out outputs/spotter --train-count 2000 --minutes 75
+
+With --fixture, a run that has reached --iters scores its float16 weights (run in float32, as they ship) on
+--final-count pictures of --final-seed, a seed neither trained nor tuned on, and writes them with their record
+(sha256, command, machine, time, the curve, the held-out scores) beside them.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import sys
@@ -68,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="outputs/spotter", help="checkpoints, metrics and the synthetic sets")
     ap.add_argument("--train-count", type=int, default=2000, help="training pictures")
     ap.add_argument("--eval-count", type=int, default=100, help="held-out pictures (another seed)")
+    ap.add_argument("--eval-seed", type=int, default=2,
+                    help="seed of the pictures evaluated during training (tuning; keep another for final claims)")
     ap.add_argument("--eval-on", choices=["held_out", "train"], default="held_out",
                     help="evaluate on held-out pictures or on the training pictures (to check it can overfit)")
     ap.add_argument("--size", default="320x320", help="picture size")
@@ -76,6 +83,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=0, help="pictures per step (default: SOLVER.IMS_PER_BATCH)")
     ap.add_argument("--eval-every", type=int, default=100, help="evaluate every N iterations")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch order")
+    ap.add_argument("--fixture", default="", help="once --iters are done, write the float16 weights here, and "
+                    "their record (.json) with the held-out scores")
+    ap.add_argument("--final-seed", type=int, default=1, help="seed of the held-out pictures --fixture scores")
+    ap.add_argument("--final-count", type=int, default=200, help="held-out pictures --fixture scores")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs as detectron2 takes them")
     args = ap.parse_args(argv)
@@ -106,7 +117,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = parse_size(args.size)
-    sets = {"train": ("synth_text_train", 0, args.train_count), "held_out": ("synth_text_held_out", 1, args.eval_count)}
+    sets = {"train": ("synth_text_train", 0, args.train_count), "held_out": ("synth_text_held_out", args.eval_seed, args.eval_count)}
     for key, (name, seed, count) in sets.items():
         folder = out / "data" / key
         if not (folder / "annotations.json").is_file():
@@ -154,9 +165,68 @@ def main(argv=None) -> int:
         log.flush()
         if done:
             break
-    print(json.dumps({"iterations": it + 1, "seconds_this_run": round(time.time() - started, 1),
-                      "seconds_per_iteration": round((time.time() - started) / max(it + 1 - start, 1), 3)}))
+    log.close()
+    if start < args.iters:
+        print(json.dumps({"iterations": it + 1, "seconds_this_run": round(time.time() - started, 1),
+                          "seconds_per_iteration": round((time.time() - started) / max(it + 1 - start, 1), 3)}))
+    if args.fixture and it + 1 >= args.iters:
+        folder = out / "data" / "final"
+        if not (folder / "annotations.json").is_file():
+            generate("text", folder, count=args.final_count, seed=args.final_seed, size=size)
+        register("synth_text_final", folder)
+        snapshot = out / f"model_{args.iters:06d}_fp16.pth"
+        load_checkpoint(snapshot, model)  # float16 values into the float32 model: what the fixture ships
+        held_out, sweep = evaluate(model, DatasetCatalog.get("synth_text_final"), mapper_test, "synth_text_final",
+                                   post)
+        write_fixture(Path(args.fixture), snapshot, out / "metrics.jsonl", {
+            "config": str(Path(args.config).resolve().relative_to(REPO)), "overrides": args.overrides,
+            "iterations": args.iters, "seed": args.seed,
+            "train": {"count": args.train_count, "seed": 0, "size": args.size},
+            "validation": {"count": args.eval_count, "seed": args.eval_seed, "size": args.size},
+            "held_out": {"count": args.final_count, "seed": args.final_seed, "size": args.size, **held_out,
+                         "det_hmean_by_threshold": sweep},
+            "command": "python tools/train_spotter.py " + " ".join(argv if argv is not None else sys.argv[1:])})
     return 0
+
+
+def machine() -> str:
+    """The CPU's model and the features its speed depends on."""
+    import platform
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+                if f in flags]
+    import torch
+
+    return f"{model}, {torch.get_num_threads()} threads, " + " ".join(features)
+
+
+def write_fixture(path: Path, snapshot: Path, metrics: Path, record: dict) -> None:
+    """The snapshot copied to `path` and its record beside it: the curve (the evaluated rows of metrics.jsonl) and
+    the training time summed over the runs that made it (a resumed run's clock starts again at 0)."""
+    import shutil
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    seconds, last = 0.0, 0.0
+    for r in rows:
+        if r["seconds"] < last:
+            seconds += last
+        last = r["seconds"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.copyfile(snapshot, tmp)
+    tmp.replace(path)
+    record.update(machine=machine(), train_seconds=round(seconds + last),
+                  curve=[{k: r[k] for k in ("iter", "seconds", "lr", "total", "loss_ce", "loss_ctrl_points",
+                                             "loss_texts", "eval", "sweep") if k in r} for r in rows if "eval" in r],
+                  sha256=hashlib.sha256(path.read_bytes()).hexdigest(), bytes=path.stat().st_size)
+    path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "curve"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,10 @@ def add_testr_config(cfg):
     loss.POINT_CLASS_WEIGHT = 2.0
     loss.POINT_COORD_WEIGHT = 5.0
     loss.POINT_TEXT_WEIGHT = 2.0
+    # not upstream's (0 is upstream's matching): the cost, per unit of L1 distance, of matching a query to a word
+    # away from its reference box's centre. The text queries sample only around that box, so a query matched to
+    # another word is taught to read what it cannot see.
+    loss.POINT_REF_WEIGHT = 0.0
     loss.BOX_CLASS_WEIGHT = 2.0
     loss.BOX_COORD_WEIGHT = 5.0
     loss.BOX_GIOU_WEIGHT = 2.0

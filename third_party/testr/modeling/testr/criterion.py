@@ -30,7 +30,7 @@ class SetCriterion(nn.Module):
         self.alpha, self.gamma, self.voc_size = c.FOCAL_ALPHA, c.FOCAL_GAMMA, voc_size
         self.aux = c.AUX_LOSS
         self.point_matcher = CtrlPointHungarianMatcher(c.POINT_CLASS_WEIGHT, c.POINT_COORD_WEIGHT, c.FOCAL_ALPHA,
-                                                       c.FOCAL_GAMMA)
+                                                       c.FOCAL_GAMMA, c.get("POINT_REF_WEIGHT", 0.0))
         self.box_matcher = BoxHungarianMatcher(c.BOX_CLASS_WEIGHT, c.BOX_COORD_WEIGHT, c.BOX_GIOU_WEIGHT,
                                                c.FOCAL_ALPHA, c.FOCAL_GAMMA)
         self.weights = {"loss_ce": c.POINT_CLASS_WEIGHT, "loss_ctrl_points": c.POINT_COORD_WEIGHT,
@@ -73,6 +73,7 @@ class SetCriterion(nn.Module):
         num_words = max(sum(len(t["labels"]) for t in targets), 1)
         losses = self.query_losses(outputs, targets, num_words)
         for i, aux in enumerate(outputs.get("aux_outputs", []) if self.aux else []):
+            aux = {**aux, "pred_references": outputs["pred_references"]} if "pred_references" in outputs else aux
             losses.update({f"{k}_{i}": v for k, v in self.query_losses(aux, targets, num_words).items()})
         if "enc_outputs" in outputs:
             losses.update(self.encoder_losses(outputs["enc_outputs"], targets, num_words))

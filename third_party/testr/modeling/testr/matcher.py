@@ -25,11 +25,12 @@ def assign(costs):
 
 class CtrlPointHungarianMatcher(nn.Module):
     """Decoder queries ↔ words: class cost (the focal term averaged over a query's points) plus the L1 distance
-    between its control points and the word's, each weighted."""
+    between its control points and the word's, each weighted; with `ref_weight`, plus the L1 distance between the
+    query's reference centre and the word's box centre (where its text branch samples)."""
 
-    def __init__(self, class_weight=2.0, coord_weight=5.0, focal_alpha=0.25, focal_gamma=2.0):
+    def __init__(self, class_weight=2.0, coord_weight=5.0, focal_alpha=0.25, focal_gamma=2.0, ref_weight=0.0):
         super().__init__()
-        self.class_weight, self.coord_weight = class_weight, coord_weight
+        self.class_weight, self.coord_weight, self.ref_weight = class_weight, coord_weight, ref_weight
         self.alpha, self.gamma = focal_alpha, focal_gamma
 
     def forward(self, outputs, targets):
@@ -44,7 +45,11 @@ class CtrlPointHungarianMatcher(nn.Module):
         for b, t in enumerate(targets):
             cls = focal_class_cost(prob[b, ..., 0], self.alpha, self.gamma).mean(-1, keepdim=True)  # (Q, 1)
             coord = torch.cdist(points[b], t["ctrl_points"].flatten(-2).to(points.dtype), p=1)  # (Q, n)
-            costs.append(self.class_weight * cls + self.coord_weight * coord)
+            cost = self.class_weight * cls + self.coord_weight * coord
+            if self.ref_weight and "pred_references" in outputs:
+                centres = outputs["pred_references"][b, :, :2]
+                cost = cost + self.ref_weight * torch.cdist(centres, t["boxes"][:, :2].to(centres.dtype), p=1)
+            costs.append(cost)
         return costs
 
 
