@@ -412,17 +412,11 @@ def main(argv=None):
             plot(rows, Path(args.plot), header)
 
     first = next(iter(sessions))
-    prof = profile(exports[first]["path"], feed, args.threads, args.profile_runs, out)
-    total = prof["total_ms"]
-    print(f"\n## onnxruntime profile of '{first}' ({args.profile_runs} warm runs; kernel time {total:.0f} ms/run)")
-    print("op type              ms/run  share")
-    for op, ms in prof["by_op"].most_common(12):
-        print(f"{op:18s} {ms:8.1f}  {100 * ms / total:5.1f}%")
-    print("\ntop nodes                                                                  ms/run")
-    for node, ms in prof["by_node"].most_common(12):
-        print(f"{node[-72:]:72s} {ms:8.1f}")
-    print(f"\nMSDA sampling cores ({prof['msda_calls']} calls: locations, weights, Gather, MatMul; projections "
-          f"excluded): {prof['msda_ms']:.0f} ms/run = {100 * prof['msda_ms'] / total:.0f}% of kernel time")
+    if args.profile_runs < 1:
+        print("\n(no onnxruntime profile: --profile-runs 0)")
+    else:
+        print_profile(first, profile(exports[first]["path"], feed, args.threads, args.profile_runs, out),
+                      args.profile_runs)
 
     if args.fp16:
         import onnx
@@ -438,12 +432,24 @@ def main(argv=None):
         print("  " + ", ".join(f"{k} {v:.3g}" for k, v in par.items()))
 
 
+def print_profile(name: str, prof: dict, runs: int) -> None:
+    """`profile`'s figures for graph `name`: time per op type and per node, and the MSDA cores' share."""
+    total = prof["total_ms"]
+    print(f"\n## onnxruntime profile of '{name}' ({runs} warm runs; kernel time {total:.0f} ms/run)")
+    print("op type              ms/run  share")
+    for op, ms in prof["by_op"].most_common(12):
+        print(f"{op:18s} {ms:8.1f}  {100 * ms / total:5.1f}%")
+    print("\ntop nodes                                                                  ms/run")
+    for node, ms in prof["by_node"].most_common(12):
+        print(f"{node[-72:]:72s} {ms:8.1f}")
+    print(f"\nMSDA sampling cores ({prof['msda_calls']} calls: locations, weights, Gather, MatMul; projections "
+          f"excluded): {prof['msda_ms']:.0f} ms/run = {100 * prof['msda_ms'] / total:.0f}% of kernel time")
+
+
 def _cpu() -> str:
-    try:
-        model = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text()).group(1)
-    except (OSError, AttributeError):
-        model = "unknown CPU"
-    return f"{model}, {os.cpu_count()} logical CPUs"
+    from d2export.cpu import describe_cpu
+
+    return describe_cpu()
 
 
 if __name__ == "__main__":

@@ -44,3 +44,19 @@ def test_detectron2_builds_and_runs_rcnn_on_cpu():
 def test_runtime_imports_without_torch():
     code = "import sys; sys.modules['torch'] = None; sys.modules['detectron2'] = None; import d2export, d2export.manifest, d2export.imaging, d2export.charset"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_the_cpu_is_described_by_model_and_the_features_speed_depends_on(tmp_path, monkeypatch):
+    from d2export import cpu
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 avx512f avx512_vnni amx_tile "
+                    "amx_int8\n\nprocessor\t: 1\nmodel name\t: Some Xeon\nflags\t\t: fpu\n")
+    monkeypatch.setattr(cpu, "CPUINFO", info)
+    assert cpu.cpu_features() == ["avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"]
+    assert cpu.describe_cpu().startswith("Some Xeon, ") and cpu.describe_cpu().endswith(
+        "avx2 avx512f avx512_vnni amx_tile amx_int8")
+    info.write_text("processor\t: 0\nmodel name\t: Old Core\nflags\t\t: fpu sse2\n")
+    assert cpu.cpu_features() == [] and "none of avx2/" in cpu.describe_cpu()
+    monkeypatch.setattr(cpu, "CPUINFO", tmp_path / "absent")
+    assert cpu.cpu_features() == [] and cpu.describe_cpu()  # no /proc: the platform's name

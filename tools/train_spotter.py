@@ -190,20 +190,11 @@ def main(argv=None) -> int:
 
 
 def machine() -> str:
-    """The CPU's model and the features its speed depends on."""
-    import platform
-
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    features = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-                if f in flags]
     import torch
 
-    return f"{model}, {torch.get_num_threads()} threads, " + " ".join(features)
+    from d2export.cpu import describe_cpu
+
+    return f"{describe_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def write_fixture(path: Path, snapshot: Path, metrics: Path, record: dict) -> None:
