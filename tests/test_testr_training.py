@@ -258,6 +258,19 @@ def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
     assert record["train_seconds"] == round(rows[1]["seconds"] + rows[2]["seconds"])
     assert "--fixture" in record["command"] and "threads" in record["machine"]
 
+    # a later session warm-starts from the committed weights: one step at the warm-up's 1e-6 leaves them almost
+    # as they were, where another seed's fresh weights differ everywhere
+    import torch
+
+    warm = tmp_path / "warm"
+    subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--out", str(warm), "--iters", "1",
+                    "--seed", "1", "--init", str(fixture), *small], check=True, capture_output=True, timeout=300)
+    start = torch.load(fixture, weights_only=False)["model"]
+    after = torch.load(warm / "model_000001_fp16.pth", weights_only=False)["model"]
+    name = "testr.transformer.encoder.layers.0.linear1.weight"
+    assert (after[name].float() - start[name].float()).abs().max() < 1e-2
+    assert float(start[name].float().std()) > 1e-2  # a seed's weights, which another seed's would not match
+
 
 def test_the_evaluation_reports_every_swept_threshold_from_one_run():
     """tools/train_spotter.py's evaluate: a model with its own threshold at 0.3 finds the picture's two words (0.9,

@@ -83,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=0, help="pictures per step (default: SOLVER.IMS_PER_BATCH)")
     ap.add_argument("--eval-every", type=int, default=100, help="evaluate every N iterations")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the batch order")
+    ap.add_argument("--init", default="", help="a new run starts from these weights (e.g. the committed fixture, "
+                    "float16) instead of seeded ones; a resumed run ignores it")
     ap.add_argument("--fixture", default="", help="once --iters are done, write the float16 weights here, and "
                     "their record (.json) with the held-out scores")
     ap.add_argument("--final-seed", type=int, default=1, help="seed of the held-out pictures --fixture scores")
@@ -133,6 +135,8 @@ def main(argv=None) -> int:
     optimizer = build_optimizer(cfg, model)
     last = out / "last.pth"
     start = load_checkpoint(last, model, optimizer) if last.is_file() else 0
+    if args.init and not start:
+        load_checkpoint(Path(args.init), model)  # weights only: the optimizer and the schedule start anew
     scheduler = build_lr_scheduler(cfg, optimizer)  # SOLVER.WARMUP_ITERS, STEPS, GAMMA, MAX_ITER as detectron2's
     for _ in range(start):  # a resumed run goes on at its iteration's learning rate
         scheduler.step()
