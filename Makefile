@@ -7,10 +7,10 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 EXTRAS ?= serve,dev,slim,batch,fused,synth,eval
 STAMP  := $(VENV)/.d2export-setup
-CONFIG ?= textdet
+CONFIG ?= textdet_micro
 PYTEST_ARGS ?=
 
-.PHONY: setup test export bench clean
+.PHONY: setup test export demo bench clean
 setup: $(STAMP)
 
 $(STAMP): setup.py scripts/install_detectron2.py Makefile
@@ -26,6 +26,9 @@ test: setup
 
 export: setup
 	$(PY) tools/export.py --config $(CONFIG)
+
+demo: setup
+	$(PY) tools/demo.py
 
 bench: setup
 	$(PY) tools/benchmark.py msda

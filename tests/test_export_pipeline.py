@@ -148,7 +148,8 @@ def test_bad_config_name_is_one_line(tmp_path):
 
 
 def test_full_size_default_config_exports_and_verifies(tmp_path):
-    """The default job as `make export` runs it (TotalText polygon R50, 100 queries), lint left to the tiny tests."""
+    """The full-size config (`make export CONFIG=textdet`: TotalText polygon R50, 100 queries), lint left to the tiny
+    tests."""
     manifest = pipeline.export(load("textdet", [f"export.output_dir={tmp_path}", "export.lint=false"]))
     assert manifest.verification["passed"] is True
     assert manifest.outputs[2].shape == ["batch", 100, 16, 2]
