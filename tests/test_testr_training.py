@@ -311,3 +311,23 @@ def test_the_evaluation_reports_every_swept_threshold_from_one_run():
     assert sweep == pytest.approx({"0.2": 80, "0.25": 80, "0.3": 80, "0.35": 80, "0.4": 80, "0.45": 100, "0.5": 100,
                                    "0.55": 200 / 3, "0.6": 200 / 3})
     assert model.calls == [min(script.SWEEP)] and model.test_score_threshold == 0.3 and model.training
+
+
+def test_the_probe_reports_where_matched_references_lie(tmp_path):
+    """tools/probe_spotter.py on four tiny pictures: with the words' true boxes as references, every matched query
+    of a picture's first n sits on its word; its figures are fractions of the words matched."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, str(repo / "tools" / "probe_spotter.py"), "--out", str(tmp_path),
+                           "--data", str(tmp_path / "data"), "--count", "4", "--size", "128x160", "--minutes", "0.01",
+                           "--true-refs", "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1",
+                           "MODEL.TRANSFORMER.LOSS.POINT_REF_WEIGHT", "1000.0"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["steps"] >= 1
+    # the true boxes are the references and the reference cost dominates the matching: each word gets its own box
+    assert result["reference_centre_in_word"] == 1.0 and result["reference_iou_mean"] > 0.99

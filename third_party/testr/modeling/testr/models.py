@@ -190,8 +190,8 @@ class TESTR(nn.Module):
         if self.aux_loss:
             out["aux_outputs"] = self._set_aux_loss(outputs_class, outputs_coord, outputs_text)
         out["enc_outputs"] = {"pred_logits": enc_outputs_class, "pred_boxes": enc_outputs_coord_unact.sigmoid()}
-        if self.training:  # where each query's text branch samples: the matcher may prefer words there
-            out["pred_references"] = init_reference
+        if self.training:  # where each query's text branch sampled (TESTR never refines them: every layer's are the
+            out["pred_references"] = inter_references[-1]  # encoder's top-k): the matcher may prefer words there
         return out
 
     @torch.jit.unused

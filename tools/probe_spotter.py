@@ -1,0 +1,145 @@
+"""Short probes of the TESTR stand-in's training (third_party/testr): the mean losses every 50 steps and, at the end,
+where the matched queries' reference boxes lie (the boxes their text branch samples around): the fraction of words
+whose matched query's reference centre lies inside the word's box, and their mean IoU.
+
+`--true-refs` hands the decoder the words' true boxes as references (the first n queries of a picture with n words):
+the character loss then shows whether recognition learns when every text query sees its word.
+
+    python tools/probe_spotter.py --out outputs/probe/ref50 --minutes 10 MODEL.TRANSFORMER.NUM_QUERIES 16 \\
+        MODEL.TRANSFORMER.LOSS.POINT_REF_WEIGHT 50.0
+    python tools/probe_spotter.py --out outputs/probe/true --minutes 10 --true-refs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
+
+
+def with_true_references(model) -> dict:
+    """In training, the decoder's reference boxes of a picture's first n queries become its n words' boxes (those
+    `truth["boxes"]` holds: the batch's, set by the model's forward). Returns `truth`."""
+    truth = {}
+    forward = model.forward
+
+    def remember(batched_inputs):
+        if model.training:
+            targets = model.prepare_targets([x["instances"] for x in batched_inputs])
+            truth["boxes"] = [t["boxes"] for t in targets]
+        return forward(batched_inputs)
+
+    def replace(decoder, args):  # DeformableCompositeTransformerDecoder(tgt, tgt_text, reference_points, ...)
+        if not model.training:
+            return None
+        refs = args[2].clone()
+        for b, boxes in enumerate(truth["boxes"]):
+            n = min(len(boxes), refs.shape[1])
+            refs[b, :n] = boxes[:n].to(refs.dtype)
+        return (args[0], args[1], refs, *args[3:])
+
+    model.forward = remember
+    model.testr.transformer.decoder.register_forward_pre_hook(replace)
+    return truth
+
+
+def reference_placement(model, mapper, records, truth: dict | None = None) -> dict:
+    """Over `records`: where the matched queries' reference boxes lie relative to their words (`truth`: what
+    `with_true_references` returned, if it was applied)."""
+    import torch
+    from torchvision.ops import box_convert, box_iou
+
+    inside = total = 0
+    ious = []
+    model.train()  # the matching is training's
+    with torch.no_grad():
+        for i in range(0, len(records) - 1, 2):
+            batch = [mapper(r) for r in records[i:i + 2]]
+            targets = model.prepare_targets([x["instances"] for x in batch])
+            if truth is not None:
+                truth["boxes"] = [t["boxes"] for t in targets]
+            outputs = model.testr(model.preprocess_image(batch))
+            for b, (q, t) in enumerate(model.criterion.point_matcher(outputs, targets)):
+                ref, word = outputs["pred_references"][b, q], targets[b]["boxes"][t]
+                corners = box_convert(word, "cxcywh", "xyxy")
+                inside += int(((ref[:, :2] >= corners[:, :2]) & (ref[:, :2] <= corners[:, 2:])).all(1).sum())
+                total += len(q)
+                ious += box_iou(box_convert(ref, "cxcywh", "xyxy"), corners).diagonal().tolist()
+    return {"reference_centre_in_word": inside / max(total, 1), "reference_iou_mean": sum(ious) / max(len(ious), 1)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="log.jsonl and result.json go here")
+    ap.add_argument("--config", default=str(REPO / "third_party/testr/configs/micro.yaml"))
+    ap.add_argument("--data", default="outputs/probe/data", help="the training pictures (made if absent)")
+    ap.add_argument("--count", type=int, default=1000, help="training pictures")
+    ap.add_argument("--size", default="320x320")
+    ap.add_argument("--minutes", type=float, default=10, help="stop after this many minutes")
+    ap.add_argument("--threads", type=int, default=1, help="1: two probes side by side on 2 cores")
+    ap.add_argument("--true-refs", action="store_true", help="the words' true boxes as the decoder's references")
+    ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from d2export.patching import compiled_ops
+
+    compiled_ops.install(["testr._C"])
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    import testr  # noqa: F401 - registers TransformerDetector
+    from detectron2.data import DatasetCatalog
+    from detectron2.modeling import build_model
+    from detectron2.solver import build_lr_scheduler
+    from testr.config import get_cfg
+    from testr.data import DatasetMapperWithBasis
+    from testr.train import build_optimizer, train_step
+    from train_spotter import batches
+
+    from d2export.datasets import generate, register
+    from d2export.datasets.synth import parse_size
+
+    cfg = get_cfg()
+    cfg.merge_from_file(args.config)
+    cfg.merge_from_list(args.overrides)
+    cfg.MODEL.DEVICE = "cpu"
+    data = Path(args.data)
+    if not (data / "annotations.json").is_file():
+        generate("text", data, count=args.count, seed=0, size=parse_size(args.size))
+    register("probe_train", data)
+    records = DatasetCatalog.get("probe_train")
+    model = build_model(cfg)
+    optimizer, mapper = build_optimizer(cfg, model), DatasetMapperWithBasis(cfg, is_train=True)
+    scheduler = build_lr_scheduler(cfg, optimizer)
+    truth = with_true_references(model) if args.true_refs else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    clip = cfg.SOLVER.CLIP_GRADIENTS.CLIP_VALUE if cfg.SOLVER.CLIP_GRADIENTS.ENABLED else 0
+    stream, started, sums, step = batches(records, mapper, cfg.SOLVER.IMS_PER_BATCH, 0, 0), time.time(), {}, 0
+    with open(out / "log.jsonl", "w") as log:
+        while time.time() - started < args.minutes * 60:
+            losses = train_step(model, optimizer, next(stream), clip)
+            scheduler.step()
+            step += 1
+            for k in ("total", "loss_texts", "loss_ctrl_points", "loss_ce"):
+                sums[k] = sums.get(k, 0.0) + losses[k]
+            if step % 50 == 0:
+                row = {"iter": step, "seconds": round(time.time() - started), **{k: round(v / 50, 3)
+                                                                                  for k, v in sums.items()}}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                print(row, flush=True)
+                sums = {}
+    result = {"steps": step, **reference_placement(model, mapper, records[:60], truth)}
+    (out / "result.json").write_text(json.dumps(result) + "\n")
+    print(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
