@@ -10,7 +10,8 @@ CPUINFO = Path("/proc/cpuinfo")
 FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
-def _first_processor() -> dict[str, str]:
+def first_processor() -> dict[str, str]:
+    """The first processor's /proc/cpuinfo fields by name ({} where there is none)."""
     try:
         block = CPUINFO.read_text().split("\n\n")[0]
     except OSError:
@@ -20,11 +21,11 @@ def _first_processor() -> dict[str, str]:
 
 def cpu_features() -> list[str]:
     """Which of FEATURES the CPU has, in that order."""
-    flags = set(_first_processor().get("flags", "").split())
+    flags = set(first_processor().get("flags", "").split())
     return [f for f in FEATURES if f in flags]
 
 
 def describe_cpu() -> str:
     """'<model>, <n> logical CPUs, <features>', e.g. 'AMD EPYC, 2 logical CPUs, avx2 avx512f avx512_vnni'."""
-    model = _first_processor().get("model name") or platform.processor() or platform.machine()
+    model = first_processor().get("model name") or platform.processor() or platform.machine()
     return f"{model}, {os.cpu_count()} logical CPUs, {' '.join(cpu_features()) or 'none of ' + '/'.join(FEATURES)}"

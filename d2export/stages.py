@@ -14,8 +14,8 @@ from typing import Iterator
 
 _PACKAGE = Path(__file__).resolve().parent
 
-# what upstream checkouts import at module level beside d2export's own requirements (docs/exporting.md: "Upstream checkouts"),
-# by the name Python reports missing → the line that installs it
+# what upstream checkouts import at module level beside d2export's own requirements (docs/exporting.md: "Upstream
+# checkouts"), by the name Python reports missing → the line that installs it
 INSTALL_LINES = {
     "timm": "pip install timm", "scipy": "pip install scipy", "einops": "pip install einops",
     "fairscale": "pip install fairscale", "cv2": "pip install opencv-python-headless", "wandb": "pip install wandb",
@@ -74,8 +74,8 @@ def stage(name: str) -> Iterator[None]:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised, said in one line
         line, install = describe(e), install_line(e)
-        hint = f"; the checkout imports it at module level: run `{install}` (docs/exporting.md: upstream checkouts)" if install \
-            else ""
+        hint = (f"; the checkout imports it at module level: run `{install}` (docs/exporting.md: upstream checkouts)"
+                if install else "")
         if line is None and not hint:
             raise
         raise StageError(f"{name}: {line or e}{hint}" + ("" if hint else "; --traceback shows the whole trace")) \

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     data = generate("text", out / "pictures", count=args.count, seed=args.seed, size=parse_size(args.size),
                     workers=1, force=True)
 
+    from d2export.charset import charset, decode
+    from d2export.datasets.text import VOC_SIZE
     from d2export.runtime import infer
 
     print("3/3 reading them with onnxruntime (d2export infer --vis) ...", flush=True)
@@ -73,28 +76,21 @@ def main(argv=None) -> int:
     coco = json.loads((data / "annotations.json").read_text())
     names = {im["id"]: Path(im["file_name"]).name for im in coco["images"]}
     for a in coco["annotations"]:
-        truth.setdefault(names[a["image_id"]], []).append(_decode(a["rec"]))
+        truth.setdefault(names[a["image_id"]], []).append(decode(a["rec"], charset(VOC_SIZE)))
     words = read = 0
     for line in results.read_text().splitlines():
         row = json.loads(line)
         name = Path(row["file"]).name
         said = [i.get("text", "") for i in row.get("instances", [])]
         expected = truth.get(name, [])
-        low = [w.lower() for w in said]  # as the evaluator counts: case ignored
-        hits = sum(min(low.count(w), [e.lower() for e in expected].count(w)) for w in {e.lower() for e in expected})
-        words, read = words + len(expected), read + hits
+        hits = Counter(w.lower() for w in said) & Counter(w.lower() for w in expected)  # case ignored, as evaluated
+        words, read = words + len(expected), read + sum(hits.values())
         print(f"  {name}: words {' '.join(sorted(expected))} | read {' '.join(sorted(said)) or '-'}")
     pictures = sorted(vis.glob("*.png"))
     grid(pictures, min(3, len(pictures))).save(out / "grid.png")
     print(f"read {read} of {words} words (case ignored, as d2export evaluate counts), in {time.time() - started:.0f} s")
     print(f"pictures: {vis}/ (one per input) and {out / 'grid.png'}; what was read: {results}; model: {model}")
     return 0
-
-
-def _decode(rec: list[int]) -> str:
-    from d2export.charset import charset, decode
-
-    return decode(rec, charset(96)[:95])
 
 
 if __name__ == "__main__":

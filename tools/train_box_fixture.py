@@ -47,11 +47,9 @@ def config(out: Path, iters: int, seed: int, lr: float, decay_at=(0.8, 0.95), ov
 
 
 def _cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    from d2export.cpu import cpu_features
+
+    return bool({"amx_bf16", "avx512_bf16"} & set(cpu_features()))
 
 
 def main(argv=None) -> int:

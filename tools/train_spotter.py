@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = parse_size(args.size)
-    sets = {"train": ("synth_text_train", 0, args.train_count), "held_out": ("synth_text_held_out", args.eval_seed, args.eval_count)}
+    sets = {"train": ("synth_text_train", 0, args.train_count),
+            "held_out": ("synth_text_held_out", args.eval_seed, args.eval_count)}
     for key, (name, seed, count) in sets.items():
         folder = out / "data" / key
         if not (folder / "annotations.json").is_file():

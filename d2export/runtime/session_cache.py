@@ -64,10 +64,9 @@ def cache_path(model_path: Path, options) -> Path:
 
 
 def _cpu_identity() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        first = info.split("\n\n")[0]
-        return "|".join(line.split(":", 1)[1].strip() for line in first.splitlines()
-                        if line.split(":")[0].strip() in ("vendor_id", "model name", "flags"))
-    except OSError:
+    from d2export.cpu import first_processor
+
+    fields = first_processor()
+    if not fields:
         return f"{platform.machine()}|{platform.processor()}"
+    return "|".join(fields[k] for k in ("vendor_id", "model name", "flags") if k in fields)

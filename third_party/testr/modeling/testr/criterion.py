@@ -30,7 +30,7 @@ class SetCriterion(nn.Module):
         self.alpha, self.gamma, self.voc_size = c.FOCAL_ALPHA, c.FOCAL_GAMMA, voc_size
         self.aux = c.AUX_LOSS
         self.point_matcher = CtrlPointHungarianMatcher(c.POINT_CLASS_WEIGHT, c.POINT_COORD_WEIGHT, c.FOCAL_ALPHA,
-                                                       c.FOCAL_GAMMA, c.get("POINT_REF_WEIGHT", 0.0))
+                                                       c.FOCAL_GAMMA, c.POINT_REF_WEIGHT)
         self.box_matcher = BoxHungarianMatcher(c.BOX_CLASS_WEIGHT, c.BOX_COORD_WEIGHT, c.BOX_GIOU_WEIGHT,
                                                c.FOCAL_ALPHA, c.FOCAL_GAMMA)
         self.weights = {"loss_ce": c.POINT_CLASS_WEIGHT, "loss_ctrl_points": c.POINT_COORD_WEIGHT,
