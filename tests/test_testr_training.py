@@ -254,8 +254,8 @@ def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
     assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
     assert record["held_out"]["seed"] == 5 and record["held_out"]["count"] == 2 and "det_hmean" in record["held_out"]
     assert [r["iter"] for r in record["curve"]] == [2, 3]  # each run's last step is evaluated
-    # two runs of the script, their clocks each starting at 0: the time is their sum
-    assert record["train_seconds"] == round(rows[1]["seconds"] + rows[2]["seconds"])
+    # two runs of the script on one clock: the second goes on from the first's checkpoint
+    assert rows[0]["seconds"] <= rows[1]["seconds"] <= rows[2]["seconds"] == pytest.approx(record["train_seconds"], abs=0.5)
     assert "--fixture" in record["command"] and "threads" in record["machine"]
 
     # a later session warm-starts from the committed weights: one step at the warm-up's 1e-6 leaves them almost
@@ -263,13 +263,19 @@ def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
     import torch
 
     warm = tmp_path / "warm"
-    subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--out", str(warm), "--iters", "1",
-                    "--seed", "1", "--init", str(fixture), *small], check=True, capture_output=True, timeout=300)
     start = torch.load(fixture, weights_only=False)["model"]
+    first_sha = record["sha256"]
+    subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--out", str(warm), "--iters", "1",
+                    "--seed", "1", "--init", str(fixture), "--fixture", str(fixture), "--final-count", "2",
+                    "--final-seed", "5", *small], check=True, capture_output=True, timeout=300)
     after = torch.load(warm / "model_000001_fp16.pth", weights_only=False)["model"]
     name = "testr.transformer.encoder.layers.0.linear1.weight"
     assert (after[name].float() - start[name].float()).abs().max() < 1e-2
     assert float(start[name].float().std()) > 1e-2  # a seed's weights, which another seed's would not match
+    # the new fixture replaced the one it began from, whose record lives on inside the new one
+    lineage = json.loads(fixture.with_suffix(".json").read_text())["init"]
+    assert lineage["sha256"] == first_sha != hashlib.sha256(fixture.read_bytes()).hexdigest()
+    assert lineage["record"]["iterations"] == 3 and "--iters 3" in lineage["record"]["command"]
 
 
 def test_the_evaluation_reports_every_swept_threshold_from_one_run():

@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="320x320")
     ap.add_argument("--minutes", type=float, default=10, help="stop after this many minutes")
     ap.add_argument("--threads", type=int, default=1, help="1: two probes side by side on 2 cores")
+    ap.add_argument("--init", default="", help="start from these weights (a checkpoint or the float16 fixture)")
     ap.add_argument("--true-refs", action="store_true", help="the words' true boxes as the decoder's references")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     from detectron2.solver import build_lr_scheduler
     from testr.config import get_cfg
     from testr.data import DatasetMapperWithBasis
-    from testr.train import build_optimizer, train_step
+    from testr.train import build_optimizer, load_checkpoint, train_step
     from train_spotter import batches
 
     from d2export.datasets import generate, register
@@ -114,6 +115,8 @@ def main(argv=None) -> int:
     register("probe_train", data)
     records = DatasetCatalog.get("probe_train")
     model = build_model(cfg)
+    if args.init:
+        load_checkpoint(Path(args.init), model)
     optimizer, mapper = build_optimizer(cfg, model), DatasetMapperWithBasis(cfg, is_train=True)
     scheduler = build_lr_scheduler(cfg, optimizer)
     truth = with_true_references(model) if args.true_refs else None

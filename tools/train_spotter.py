@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     start = load_checkpoint(last, model, optimizer) if last.is_file() else 0
     if args.init and not start:
         load_checkpoint(Path(args.init), model)  # weights only: the optimizer and the schedule start anew
+    lineage = init_lineage(Path(args.init)) if args.init else None  # read now: --fixture may overwrite it
     scheduler = build_lr_scheduler(cfg, optimizer)  # SOLVER.WARMUP_ITERS, STEPS, GAMMA, MAX_ITER as detectron2's
     for _ in range(start):  # a resumed run goes on at its iteration's learning rate
         scheduler.step()
@@ -145,8 +146,11 @@ def main(argv=None) -> int:
     mapper_test = DatasetMapperWithBasis(cfg, is_train=False)
     post = {"charset": "".join(charset(int(cfg.MODEL.TRANSFORMER.VOC_SIZE))), "text_decoding": "slots"}
     clip = cfg.SOLVER.CLIP_GRADIENTS.CLIP_VALUE if cfg.SOLVER.CLIP_GRADIENTS.ENABLED else 0
-    log = open(out / "metrics.jsonl", "a")
-    started = time.time()
+    metrics = out / "metrics.jsonl"
+    earlier = [json.loads(line) for line in metrics.read_text().splitlines()] if start and metrics.is_file() else []
+    log = open(metrics, "a")
+    began = time.time()
+    started = began - max((r["seconds"] for r in earlier if r["iter"] <= start), default=0.0)  # one clock for all runs
     stream = batches(train_records, mapper, args.batch or cfg.SOLVER.IMS_PER_BATCH, args.seed, start)
     bar = tqdm(range(start, args.iters), initial=start, total=args.iters, desc="train", dynamic_ncols=True)
     it = start
@@ -158,7 +162,7 @@ def main(argv=None) -> int:
                         pts=f"{losses['loss_ctrl_points']:.3f}", txt=f"{losses['loss_texts']:.3f}")
         row = {"iter": it + 1, "seconds": round(time.time() - started, 1), "lr": lr,
                **{k: round(v, 4) for k, v in losses.items()}}
-        done = it + 1 >= args.iters or (args.minutes and time.time() - started > args.minutes * 60)
+        done = it + 1 >= args.iters or (args.minutes and time.time() - began > args.minutes * 60)
         if (it + 1) % args.eval_every == 0 or done:
             row["eval"], row["sweep"] = evaluate(model, eval_records, mapper_test, eval_name, post)
             best = max(row["sweep"], key=row["sweep"].get)
@@ -172,8 +176,8 @@ def main(argv=None) -> int:
             break
     log.close()
     if start < args.iters:
-        print(json.dumps({"iterations": it + 1, "seconds_this_run": round(time.time() - started, 1),
-                          "seconds_per_iteration": round((time.time() - started) / max(it + 1 - start, 1), 3)}))
+        print(json.dumps({"iterations": it + 1, "seconds_this_run": round(time.time() - began, 1),
+                          "seconds_per_iteration": round((time.time() - began) / max(it + 1 - start, 1), 3)}))
     if args.fixture and it + 1 >= args.iters:
         folder = out / "data" / "final"
         if not (folder / "annotations.json").is_file():
@@ -190,8 +194,17 @@ def main(argv=None) -> int:
             "validation": {"count": args.eval_count, "seed": args.eval_seed, "size": args.size},
             "held_out": {"count": args.final_count, "seed": args.final_seed, "size": args.size, **held_out,
                          "det_hmean_by_threshold": sweep},
-            "command": "python tools/train_spotter.py " + " ".join(argv if argv is not None else sys.argv[1:])})
+            "command": "python tools/train_spotter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            **({"init": lineage} if lineage else {})})
     return 0
+
+
+def init_lineage(path: Path) -> dict:
+    """What a warm-started run began from: the weights' sha256 and, where one lies beside them, their record (so a
+    fixture trained over several runs keeps every run's command, machine, time and curve)."""
+    record = path.with_suffix(".json")
+    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            **({"record": json.loads(record.read_text())} if record.is_file() else {})}
 
 
 def machine() -> str:
@@ -204,20 +217,15 @@ def machine() -> str:
 
 def write_fixture(path: Path, snapshot: Path, metrics: Path, record: dict) -> None:
     """The snapshot copied to `path` and its record beside it: the curve (the evaluated rows of metrics.jsonl) and
-    the training time summed over the runs that made it (a resumed run's clock starts again at 0)."""
+    the training time (a resumed run's clock goes on from its checkpoint's)."""
     import shutil
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    seconds, last = 0.0, 0.0
-    for r in rows:
-        if r["seconds"] < last:
-            seconds += last
-        last = r["seconds"]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.copyfile(snapshot, tmp)
     tmp.replace(path)
-    record.update(machine=machine(), train_seconds=round(seconds + last),
+    record.update(machine=machine(), train_seconds=round(rows[-1]["seconds"]) if rows else 0,
                   curve=[{k: r[k] for k in ("iter", "seconds", "lr", "total", "loss_ce", "loss_ctrl_points",
                                              "loss_texts", "eval", "sweep") if k in r} for r in rows if "eval" in r],
                   sha256=hashlib.sha256(path.read_bytes()).hexdigest(), bytes=path.stat().st_size)
