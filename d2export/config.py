@@ -74,6 +74,14 @@ class ExportConfig:
                      "verify.fp16_atol and top-K agreement")
     keep_io_types: bool = opt(True, "with fp16: the graph's float inputs and outputs stay float32 (false: "
                                 "float16, except outputs of nodes kept in float32)")
+    int8: str = opt("", "write an int8 graph with onnxruntime's quantization: dynamic (MatMul/Gemm weights, "
+                    "activations per run) | static (activations calibrated on export.calibration; the family's "
+                    "operator types); what int8 breaks stays float (docs/precision.md); verified with verify.int8_*")
+    calibration: str = opt("", "int8=static: the calibration pictures, a folder (`d2export synth` writes one) or a "
+                           "registered detectron2 dataset")
+    calibration_count: int = opt(32, "int8=static: how many of those pictures, the first in name order")
+    calibration_method: str = opt("minmax", "int8=static: minmax | entropy | percentile (one picture at a time "
+                                  "through the calibrator: memory stays that of one run)")
     max_pixels: int = opt(4096 * 4096, "largest height×width any size in this config may have")
 
 
@@ -90,8 +98,20 @@ class VerifyConfig:
     max_mismatch: float = opt(1e-3, "fraction of integer (argmax) outputs allowed to flip on near-ties")
     fp16_atol: float = opt(5e-2, "absolute tolerance for a float16 graph (export.fp16)")
     fp16_rtol: float = opt(5e-2, "relative tolerance for a float16 graph")
-    fp16_max_mismatch: float = opt(0.05, "float16: fraction of elements allowed outside the tolerance")
-    top_k: int = opt(5, "float16: the top-K scoring detections must be the same ones")
+    fp16_pixel_atol: float = opt(1.0, "float16: absolute tolerance of coordinates, in input pixels")
+    fp16_pixel_rtol: float = opt(2e-3, "float16: relative tolerance of coordinates (0.002: 1.3 px more at x = 640)")
+    fp16_max_mismatch: float = opt(0.05, "float16: fraction of elements allowed outside the tolerance, in detections "
+                                   "that are not confident (and ids that may tie in those that are)")
+    confident: float = opt(0.3, "reduced precision: a detection scoring at least this on either side must agree on "
+                           "every output (ids equal unless their probability allows a tie); under every family's "
+                           "display threshold (text 0.35-0.5, DETR 0.5)")
+    int8_atol: float = opt(0.05, "absolute tolerance for an int8 graph (export.int8): scores, probabilities, logits")
+    int8_rtol: float = opt(0.05, "int8: relative tolerance of scores, probabilities and logits")
+    int8_pixel_atol: float = opt(3.0, "int8: absolute tolerance of coordinates, in input pixels")
+    int8_pixel_rtol: float = opt(5e-3, "int8: relative tolerance of coordinates")
+    int8_max_mismatch: float = opt(0.1, "int8: fraction of elements allowed outside the tolerance, in detections that "
+                                   "are not confident (and ids that may tie in those that are)")
+    top_k: int = opt(5, "float16 and int8: the top-K scoring detections must be the same ones")
     min_top_k_agreement: float = opt(0.8, "float16: least fraction of the eager top-K found in the graph's top-K")
     providers: List[str] = opt(factory=lambda: ["CPUExecutionProvider"], help="onnxruntime providers for "
                                "verification (cpu, cuda, tensorrt or onnxruntime's names): verify on the one you "
@@ -178,13 +198,25 @@ def resolve(cfg: Any) -> D2ExportConfig:
     lo, hi = OPSETS[e.target]
     if not lo <= e.opset <= hi:
         raise ConfigError(f"export.opset={e.opset}: {e.target} takes {lo}–{hi}")
+    if e.int8 not in ("", "dynamic", "static"):
+        raise ConfigError(f"export.int8={e.int8!r}: choose dynamic or static (or leave it empty for float)")
+    if e.int8 and e.fp16:
+        raise ConfigError("export.int8 and export.fp16 both set: a graph has one precision")
+    if e.int8 == "static" and not e.calibration:
+        raise ConfigError("export.int8=static needs export.calibration: a folder of pictures (`d2export synth text "
+                          "--out DIR`) or a registered dataset")
+    if e.calibration_method not in ("minmax", "entropy", "percentile") or e.calibration_count < 1:
+        raise ConfigError(f"export.calibration_method={e.calibration_method!r}, calibration_count="
+                          f"{e.calibration_count}: minmax, entropy or percentile, on at least one picture")
     if e.max_pixels <= 0:
         raise ConfigError(f"export.max_pixels={e.max_pixels}: must be positive")
     if not e.dummy_sizes:
         raise ConfigError("export.dummy_sizes is empty: give at least one [height, width]")
     _sizes("export.dummy_sizes", e.dummy_sizes, e.max_pixels)
     _sizes("verify.sizes", v.sizes, e.max_pixels)
-    for key in ("atol", "rtol", "max_mismatch", "fp16_atol", "fp16_rtol", "fp16_max_mismatch"):
+    for key in ("atol", "rtol", "max_mismatch", "fp16_atol", "fp16_rtol", "fp16_pixel_atol", "fp16_pixel_rtol",
+                "fp16_max_mismatch", "int8_atol", "int8_rtol", "int8_pixel_atol", "int8_pixel_rtol",
+                "int8_max_mismatch", "confident"):
         if not getattr(v, key) >= 0:
             raise ConfigError(f"verify.{key}={getattr(v, key)}: must be 0 or more")
     if v.top_k < 1 or not 0 <= v.min_top_k_agreement <= 1:

@@ -27,7 +27,7 @@ from d2export import __version__, building, progress
 from d2export.config import D2ExportConfig, check_files
 from d2export.exporting import ladder as ladder_mod
 from d2export.exporting import lint as lint_mod
-from d2export.exporting import pinning
+from d2export.exporting import pinning, reduced, sessions
 from d2export.exporting import verify as verify_mod
 from d2export.exporting.onnx_export import export_onnx
 from d2export.manifest import Manifest, embed_manifest, graph_specs, manifest_path, sha256_file, staged
@@ -224,6 +224,8 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
                                 else {"passed": None}) | {"device": built.device}  # where the references ran
                 if e.fp16:
                     verification["fp16"] = _to_fp16(cfg, staged_model, adapter.output_names, cases, built)
+                if e.int8:
+                    verification["int8"] = _to_int8(cfg, staged_model, adapter.output_names, cases, built)
             _fault_point("verified")
             manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
             manifest.write(staged_manifest)
@@ -249,7 +251,7 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
         inputs=_documented(graph_specs(graph.input), built.family.input_docs),
         outputs=_documented(graph_specs(graph.output), built.family.output_docs),
         opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
-        precision="float16" if e.fp16 else "float32",
+        precision="int8" if e.int8 else "float16" if e.fp16 else "float32",
         preprocess=built.family.preprocess(built.d2cfg), postprocess=built.family.postprocess(built.d2cfg),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
@@ -288,7 +290,7 @@ def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
 
 def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
     _step(5, "verifying with onnxruntime", f"{len(cases)} cases")
-    session = _session(path, cfg.verify.providers)
+    session = sessions.session(path, cfg.verify.providers)
     v = cfg.verify
     per_output = _output_tolerances(built)
     results = verify_mod.run_cases(session, output_names, cases, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by,
@@ -297,13 +299,13 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
         case, expected, actual, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by, per_output))
     pinned = _pin_selections(cfg, path, output_names, cases, {r.case for r in results if not r.ok}, built, judge,
                              pinning.Tolerances(v.atol, v.rtol, v.pixel_atol))
-    results = _with_pinned(results, pinned)
+    results = pinning.with_pinned(results, pinned)
     log.info("verification:\n%s", verify_mod.format_table(results))
     summary = verify_mod.summarise(results) | {
         "atol": v.atol, "rtol": v.rtol, "pixel_atol": v.pixel_atol,
         "tolerances": {kind: {"atol": a, "rtol": r} for kind, (a, r) in _tolerances_by_kind(cfg).items()},
         "output_kinds": {n: verify_mod.output_kind(n, built.family.output_kinds) for n in output_names}
-    } | _ran_on(session)
+    } | sessions.ran_on(session)
     if pinned:
         summary["pinned"] = [p.to_dict() for p in pinned]
     if v.ladder or not summary["passed"]:
@@ -315,8 +317,8 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
         where = "" if culprit is None else (f"\nthe parity ladder's first diverging module: "
                                             f"{culprit['module'] or ladder_mod.ROOT} at "
                                             f"{culprit['case']}, forward at {culprit['source']}")
-        raise verify_mod.VerificationError(f"{e}{where}{_pinning_lines(summary)}"
-                                           f"{_near_ties(path, cases, results, 'float32')}") from None
+        raise verify_mod.VerificationError(f"{e}{where}{pinning.unpinned_lines(summary)}"
+                                           f"{sessions.near_ties_lines(path, cases, results, 'float32')}") from None
     return summary
 
 
@@ -343,55 +345,24 @@ def _pin_selections(cfg: D2ExportConfig, path: Path, output_names, cases, failed
         return []
     with progress.busy("checking the failed cases' selections"):
         pinned = pinning.pin_cases(path, failed, output_names, lambda c: built.adapter.reference(c.images), judge,
-                                   tolerances, _session_options(path))
+                                   tolerances, sessions.session_options(path))
     for p in pinned:
         log.log(logging.INFO if p.ok else logging.WARNING, "%s", p.line())
     return pinned
 
 
-def _with_pinned(results: list, pinned: list) -> list:
-    """`results` with the comparisons of each case that pinning cleared replaced by those made after pinning."""
-    cleared = {p.case: p.comparisons for p in pinned if p.ok}
-    kept = [r for r in results if r.case not in cleared]
-    return kept + [c for comparisons in cleared.values() for c in comparisons]
+def reduced_tolerances(cfg: D2ExportConfig, precision: str = "float16") -> verify_mod.Reduced:
+    """What a float16 or int8 graph of this config is held to (`verify.fp16_*` or `verify.int8_*`,
+    `verify.confident`, top-K)."""
+    v, key = cfg.verify, {"float16": "fp16", "int8": "int8"}[precision]
+    tol = [getattr(v, f"{key}_{name}") for name in ("atol", "rtol", "pixel_atol", "pixel_rtol", "max_mismatch")]
+    return verify_mod.Reduced(precision, *tol, v.confident, v.top_k, v.min_top_k_agreement)
 
 
-def _pinning_lines(summary: dict) -> str:
-    """For a failed verification: why pinning did not clear each case it was tried on."""
-    return "".join(f"\n{p['case']}: pinning did not clear the case: {p['why']}"
-                   for p in summary.get("pinned", []) if not p["ok"])
-
-
-def _session_options(path: Path):
-    import onnxruntime as ort
-
-    return custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
-
-
-def _session(path: Path, providers):
-    """An onnxruntime session for checking the staged graph, with the custom operators it uses registered and the
-    providers' options a served model gets by default (TF32 off on CUDA)."""
-    import onnxruntime as ort
-
-    from d2export.runtime.predictor import options_per_provider, resolve_providers
-
-    providers = resolve_providers(providers)
-    return ort.InferenceSession(str(path), _session_options(path), providers=providers,
-                                provider_options=options_per_provider(providers))
-
-
-def _ran_on(session) -> dict:
-    """The providers a verification really ran on, with their options: what a server must use to serve the same."""
-    return {"providers": session.get_providers(), "provider_options": session.get_provider_options()}
-
-
-def _near_ties(path: Path, cases, results, precision: str) -> str:
-    """For a failed verification: the graph's selections that are near-tied on the failing cases ('' if none)."""
-    from d2export.exporting import near_ties
-
-    failed = {r.case for r in results if not r.ok}
-    found = near_ties.describe(path, [c for c in cases if c.name in failed], _session_options(path), precision)
-    return f"\n{found}" if found else ""
+def _settings(cfg: D2ExportConfig, key: str) -> str:
+    v = cfg.verify
+    return ", ".join(f"verify.{key}_{n}={getattr(v, f'{key}_{n}')}" for n in ("atol", "rtol", "pixel_atol",
+                                                                               "pixel_rtol"))
 
 
 def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
@@ -404,43 +375,54 @@ def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built)
     onnx.save(to_float16(onnx.load(str(path)), keep_io_types=cfg.export.keep_io_types), str(path))
     if not cases:
         return {"passed": None}
-    v = cfg.verify
-    session = _session(path, v.providers)
-    summary = verify_mod.run_reduced_precision(session, output_names, cases, v.fp16_atol, v.fp16_rtol,
-                                               v.fp16_max_mismatch, "scores", v.top_k, v.min_top_k_agreement)
-    if not summary["passed"]:
-        results = [verify_mod.Comparison(**c) for c in summary["cases"]]
-        weak = {c for c, a in summary["case_agreement"].items() if a < v.min_top_k_agreement}
-        agreements = dict(summary["case_agreement"])
+    return _verify_reduced(cfg, path, output_names, cases, built, "float16")
 
-        def judge(case, expected, actual):
-            compared, agreements[case] = verify_mod.compare_reduced_case(
-                case, expected, actual, v.fp16_atol, v.fp16_rtol, v.fp16_max_mismatch, "scores", v.top_k)
-            return compared, all(c.ok for c in compared) and agreements[case] >= v.min_top_k_agreement
 
-        failed = weak | {r.case for r in results if not r.ok}
-        pinned = _pin_selections(cfg, path, output_names, cases, failed, built, judge,
-                                 pinning.Tolerances(v.fp16_atol, v.fp16_rtol, v.fp16_atol, v.fp16_max_mismatch))
-        if pinned:
-            summary = verify_mod.reduced_summary(_with_pinned(results, pinned), agreements, v.fp16_atol, v.fp16_rtol,
-                                                 v.fp16_max_mismatch, v.top_k, v.min_top_k_agreement)
-            summary["pinned"] = [p.to_dict() for p in pinned]
-    summary |= _ran_on(session)
-    at_cut = sum(c.get("at_cut", 0) for c in summary["cases"] if c["output"] == "scores")
-    log.info("float16 verification (top-%d agreement %.2f; %d detection(s) came and went at the lists' cut):\n%s",
-             v.top_k, summary["top_k_agreement"], at_cut,
-             verify_mod.format_table([verify_mod.Comparison(**c) for c in summary["cases"]]))
-    if not summary["passed"]:
-        failed = [verify_mod.Comparison(**c) for c in summary["cases"] if not c["ok"]]
-        why = [f"{len(failed)} output(s) past verify.fp16_atol={v.fp16_atol}/fp16_rtol={v.fp16_rtol} on more than "
-               f"verify.fp16_max_mismatch={v.fp16_max_mismatch:g} of their elements"] if failed else []
-        if summary["top_k_agreement"] < v.min_top_k_agreement:
-            why.append(f"top-{v.top_k} agreement {summary['top_k_agreement']:.2f} < verify.min_top_k_agreement="
-                       f"{v.min_top_k_agreement}")
-        raise verify_mod.VerificationError(
-            f"the float16 graph disagrees with eager PyTorch: {'; '.join(why)}\n{verify_mod.format_table(failed)}"
-            f"{_pinning_lines(summary)}{_near_ties(path, cases, failed, 'float16')}")
-    return summary
+def _to_int8(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
+    """The verified float32 graph → int8 in place (exporting/int8.py), verified with int8's own tolerances."""
+    from d2export.cpu import cpu_features
+    from d2export.exporting import int8
+
+    e = cfg.export
+    pictures = None
+    if e.int8 == "static":
+        files = int8.calibration_files(e.calibration, e.calibration_count)
+        pictures = int8.Pictures(files, _picture_feeds(built, path))
+    _step(5, f"quantising to int8 ({e.int8})", f"calibrating on {len(pictures)} pictures ({e.calibration_method})"
+          if pictures else "weights int8, activations quantised per run")
+    quantized = path.with_name(f".{path.name}.int8")
+    try:
+        with progress.busy("quantising"):
+            record = int8.quantize(path, quantized, e.int8, built.family.int8_float_scopes, cpu_features(), pictures,
+                                   e.calibration_method, built.family.int8_static_ops)
+        quantized.replace(path)
+    finally:
+        quantized.unlink(missing_ok=True)
+    log.info("int8: %d node(s) quantised, %d kept float (%s); %s", record.quantized, len(record.kept_float),
+             ", ".join(built.family.int8_float_scopes) or "none", record.why_reduce_range)
+    summary = {"passed": None} if not cases else _verify_reduced(cfg, path, output_names, cases, built, "int8")
+    return summary | {"quantization": record.to_dict()}
+
+
+def _picture_feeds(built: Built, path: Path):
+    """A picture (HWC RGB uint8) → the graph's inputs, as the runtime predictor makes them."""
+    import onnx
+
+    from d2export.runtime.predictor import Processing
+
+    e = built.cfg.export
+    graph = onnx.load(str(path), load_external_data=False).graph
+    processing = Processing(Manifest(model_file=path.name, family=built.family.name, inputs=graph_specs(graph.input),
+                                     outputs=graph_specs(graph.output), opset=e.opset or 0, exporter=e.exporter,
+                                     preprocess=built.family.preprocess(built.d2cfg)))
+    return lambda picture: processing.feeds([processing.prepare(picture, "RGB")])
+
+
+def _verify_reduced(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built, precision: str) -> dict:
+    pin = lambda failed, judge, tolerances: _pin_selections(  # noqa: E731
+        cfg, path, output_names, cases, failed, built, judge, tolerances)
+    return reduced.verify(path, output_names, cases, reduced_tolerances(cfg, precision), built.family.output_kinds,
+                          cfg.verify.providers, pin, _settings(cfg, {"float16": "fp16", "int8": "int8"}[precision]))
 
 
 def ladder(built: Built, sizes: Sequence[Sequence[int]] | None = None):

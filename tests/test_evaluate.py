@@ -240,3 +240,34 @@ def test_converters_are_mirror_images():
     assert back == boxes
     inst.remove("texts")  # an evaluator reading ids only: slot ids read back the same text
     assert to_prediction(inst, post).instances[0].text == "Ab 9"
+
+
+def test_each_precision_gets_a_column_with_its_latency(sets, tmp_path):
+    """--precision exports --config at each precision and evaluates it; every column, PyTorch's too, states its
+    median latency on the same number of threads, and --plot draws accuracy against it."""
+    report = evaluate([], dataset=str(sets[0]), config="textdet_tiny", precisions=["fp32", "fp16"],
+                      threads=1, plot_path=str(tmp_path / "plot.png"),
+                      overrides=["verify.sizes=[[160,224]]", "verify.batch=false", "export.lint=false"])
+    torch_run, fp32, fp16 = report["runs"]
+    assert (fp32["name"], fp32["precision"], fp16["name"], fp16["precision"]) == ("fp32", "float32", "fp16", "float16")
+    assert all(r["latency_ms"] > 0 and r["threads"] == 1 for r in report["runs"])
+    agree(torch_run["metrics"], fp32["metrics"], rel=0, abs_=0)
+    assert fp16["metrics"].keys() == fp32["metrics"].keys() and report["cpu"]
+    from PIL import Image
+
+    assert Image.open(tmp_path / "plot.png").size[0] > 300
+    with pytest.raises(EvaluateError, match="give --config"):
+        evaluate([], dataset=str(sets[0]), precisions=["fp16"])
+    with pytest.raises(EvaluateError, match="choose from"):
+        evaluate([], dataset=str(sets[0]), config="textdet_tiny", precisions=["bf16"])
+
+
+def test_the_table_states_latency_and_threads():
+    from d2export.evaluating.evaluate import table
+
+    reference = Run("PyTorch", "float32", {"bbox/AP": 50.0}, [], latency_ms=100.0, threads=2)
+    run = Run("int8", "int8", {"bbox/AP": 49.5}, [], latency_ms=40.0, threads=2)
+    text = table([reference, run], reference)
+    assert "-0.50" in text and "0.40x" in text
+    assert text.splitlines()[-2].split()[-3:] == ["100.0", "40.0", "0.40x"]
+    assert text.splitlines()[-1].split()[-2:] == ["2", "2"]

@@ -101,10 +101,15 @@ def test_without_pinning_the_same_right_graph_is_refused(tmp_path, no_ladder):
 
 
 def test_float16_graph_with_ties_passes_by_pinning(tmp_path):
-    built = _built("textdet_tiny", tmp_path, "export.fp16=true")
-    plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=1e-7)
+    # the trained spotter, whose scores are spread: a seeded one's all lie within float16's score tolerance of the
+    # lists' cut, where any other pick is excused without pinning. The noise is within float32's tolerance and kept
+    # by float16 (1e-7 vanished in float16, which then broke no tie)
+    built = _built("textdet_micro", tmp_path, "export.fp16=true")
+    plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=9e-4)
     manifest = pipeline.export(built.cfg, built=built)
     assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"]
+    pinned = manifest.verification["fp16"]["pinned"]  # the ties were met, and cleared by pinning
+    assert pinned and all(p["ok"] for p in pinned) and any(s["positions"] > 0 for p in pinned for s in p["selections"])
 
 
 # --- wrong graphs are refused, ties or not; the parity ladder names the faulty module ---------------------------------
@@ -274,6 +279,26 @@ def test_a_pick_is_imposed_only_where_the_graphs_own_difference_from_eager_expla
     with pinning.pinned_selections([far], FLOAT32) as pinner:
         _, indices = torch.topk(x, 1, dim=1)
     assert indices.tolist() == [[1]] and "not float noise" in pinner.found[0].why
+
+
+def test_a_corrupted_candidate_is_refused_under_reduced_precision_allowance():
+    """Float16's tolerances let a fraction (`max_mismatch`) of candidates stand past the tolerance; a candidate the
+    pick depends on never may. One of 100 proposals lifted by 50 to the top is 1% of them, under a 5% allowance."""
+    float16 = pinning.Tolerances(0.05, 0.05, 0.05, max_mismatch=0.05)
+    x = torch.linspace(0.0, 5.0, 100)[None]
+    lifted = x.numpy().astype(np.float64).copy()
+    lifted[0, 0] += 50.0  # eager's lowest, first in the graph
+    graph = pinning._GraphPick("n", lifted, 1, 1, True, np.array([[0]]))
+    with pinning.pinned_selections([graph], float16) as pinner:
+        _, indices = torch.topk(x, 1, dim=1)
+    assert indices.tolist() == [[99]] and "not float noise" in pinner.found[0].why
+    # the allowance still spares candidates no pick depends on: an outlier elsewhere, a tie at the top broken
+    tied = x.numpy().astype(np.float64).copy()
+    tied[0, 98], tied[0, 99], tied[0, 10] = 5.0, 4.99, 30.0
+    noisy = pinning._GraphPick("n", tied, 1, 1, True, np.array([[98]]))
+    with pinning.pinned_selections([noisy], float16) as pinner:
+        _, indices = torch.topk(torch.cat([x[:, :98], torch.tensor([[4.995, 5.0]])], 1), 1, dim=1)
+    assert indices.tolist() == [[98]] and pinner.found[0].tied
 
 
 def test_calls_of_another_signature_are_left_alone_and_topk_is_restored():

@@ -10,7 +10,7 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-from d2export.exporting.verify import compare_reduced_case, match_slots, top_k_agreement
+from d2export.exporting.verify import Reduced, compare_reduced_case, match_slots, top_k_agreement
 from d2export.imaging import synthetic_image
 from d2export.manifest import METADATA_KEY, Manifest, manifest_path
 from d2export.runtime import Predictor
@@ -101,6 +101,13 @@ def test_a_detection_is_matched_to_one_of_its_own_class():
     assert match_slots(floats_only, actual, "scores").tolist() == [[1, 0, 2]]  # what it did before ids counted
 
 
+BOXES = {"boxes": "pixels", "scores": "probabilities", "labels": "ids"}
+
+
+def _f16(max_mismatch):
+    return Reduced("float16", 0.05, 0.05, 1.0, 2e-3, max_mismatch, confident=0.3, top_k=2)
+
+
 def _detections(scores, boxes, labels):
     return {"boxes": np.asarray(boxes, np.float32)[None], "scores": np.asarray(scores, np.float32)[None],
             "labels": np.asarray(labels, np.int64)[None]}
@@ -113,7 +120,7 @@ def test_a_detection_at_the_lists_cut_may_come_and_go_but_no_other():
     elsewhere = [250, 10, 300, 50]  # a detection the other list does not have
 
     def verdict(expected, actual):
-        compared, agreement = compare_reduced_case("case", expected, actual, 0.05, 0.05, 0.0, "scores", 2)
+        compared, agreement = compare_reduced_case("case", expected, actual, _f16(0.0), BOXES)
         return all(c.ok for c in compared) and agreement == 1.0, compared[0].at_cut
 
     expected = _detections([0.9, 0.6, 0.031, 0.030], boxes, [0, 1, 2, 3])
@@ -144,7 +151,7 @@ def test_pairs_left_out_at_the_cut_do_not_dilute_the_rest():
     expected = _detections(scores, boxes, np.arange(50) % 5)
 
     def verdict(actual):
-        compared, agreement = compare_reduced_case("case", expected, actual, 0.05, 0.05, 0.05, "scores", 2)
+        compared, agreement = compare_reduced_case("case", expected, actual, _f16(0.05), BOXES)
         return all(c.ok for c in compared) and agreement == 1.0, compared[0].at_cut
 
     other_tail = np.concatenate([boxes[:2], boxes[2:] + 1000])  # far from any of the expected

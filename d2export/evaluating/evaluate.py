@@ -116,6 +116,9 @@ def table(runs, reference) -> str:
         row = [k] + [f"{r.metrics.get(k, float('nan')):.2f}" for r in runs]
         row += [f"{r.metrics.get(k, float('nan')) - base:+.2f}" for r in runs if r is not reference]
         rows.append(row)
+    rows.append(["ms/picture (median)"] + [f"{r.latency_ms:.1f}" for r in runs]
+                + [f"{r.latency_ms / reference.latency_ms:.2f}x" for r in runs if r is not reference])
+    rows.append(["CPU threads"] + [str(r.threads) for r in runs] + ["" for r in runs if r is not reference])
     widths = [max(len(str(c)) for c in col) for col in zip(heads, *rows)]
     fmt = lambda cells: "  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([fmt(heads), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
@@ -154,6 +157,52 @@ def write_vis(folder: Path, reference, run, comparison: dict) -> list[Path]:
     return written
 
 
+PRECISIONS = {"fp32": [], "fp16": ["export.fp16=true"], "int8": ["export.int8=dynamic"],
+              "int8-static": ["export.int8=static"]}  # the last needs export.calibration=FOLDER among the overrides
+PLOTTED = ("bbox/AP", "text/e2e_hmean", "text/det_hmean")  # the first a run reports is drawn
+
+
+def export_precisions(config: str, overrides: Sequence[str], precisions: Sequence[str], root: Path) -> list[Path]:
+    """The config exported at each precision (each verified as `d2export export` verifies it): root/<precision>."""
+    from d2export import pipeline
+    from d2export.config import load
+
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise EvaluateError(f"--precision {','.join(unknown)}: choose from {', '.join(PRECISIONS)}")
+    paths = []
+    for precision in precisions:
+        out = root / precision
+        manifest = pipeline.export(load(config, [*overrides, *PRECISIONS[precision], f"export.output_dir={out}"]))
+        paths.append(out / manifest.model_file)
+    return paths
+
+
+def plot(path: Path, runs) -> Path:
+    """Accuracy against latency, one point per run: what each precision costs and what it buys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = next((m for m in PLOTTED if all(m in r.metrics for r in runs)), None)
+    if metric is None:
+        raise EvaluateError(f"--plot: the runs share none of {', '.join(PLOTTED)}")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in runs:
+        ax.scatter(r.latency_ms, r.metrics[metric], s=40)
+        ax.annotate(f"{r.name} ({r.precision})", (r.latency_ms, r.metrics[metric]), textcoords="offset points",
+                    xytext=(5, 5), fontsize=8)
+    ax.set_xlabel(f"ms per picture (median, {runs[0].threads} CPU threads)")
+    ax.set_ylabel(metric)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def atomic_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -166,19 +215,31 @@ def atomic_json(path: Path, data: dict) -> None:
 def evaluate(models: Sequence[str], dataset: str | None = None, config: str | None = None,
              overrides: Sequence[str] = (), coco_json: str | None = None, image_root: str | None = None,
              evaluator: str | None = None, imports: Sequence[str] = (), max_images: int | None = None,
-             providers: Sequence[str] = ("cpu",), vis: str | None = None, json_path: str | None = None) -> dict:
-    """Everything `d2export evaluate` does; returns the report (also written to `json_path`)."""
+             providers: Sequence[str] = ("cpu",), vis: str | None = None, json_path: str | None = None,
+             precisions: Sequence[str] = (), threads: int = 0, plot_path: str | None = None) -> dict:
+    """Everything `d2export evaluate` does; returns the report (also written to `json_path`). `precisions`: also
+    export --config at each (fp32, fp16, int8, int8-static) and evaluate those; `threads`: CPU threads for every run
+    (0: torch's count)."""
     import importlib
 
     from d2export import families
     from d2export.evaluating.evaluators import build_evaluator
+    from d2export.cpu import describe_cpu
     from d2export.evaluating.runs import onnx_run, pytorch_run
     from d2export.manifest import Manifest, manifest_path
 
+    import torch
+
+    if precisions and not config:
+        raise EvaluateError("--precision exports --config at each precision: give --config")
     if not models and not config:
         raise EvaluateError("nothing to evaluate: give exported models, --config, or both")
     paths = [model_file(m) for m in models]
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)  # PyTorch and onnxruntime on as many threads: their latencies compare
     with tempfile.TemporaryDirectory(prefix="d2export-evaluate-") as tmp:
+        if precisions:
+            paths += export_precisions(config, overrides, precisions, Path(tmp) / "exported")
         built = None
         if config:
             from d2export import pipeline
@@ -218,11 +279,12 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
                 post = family.postprocess(d2cfg)
                 runs.append(pytorch_run(built.model, records, make(post), family.preprocess(d2cfg), post))
             for path in paths:
-                runs.append(onnx_run(path, records, make, providers))
+                runs.append(onnx_run(path, records, make, providers, threads))
     reference = runs[0]
     report = {"dataset": name, "pictures": len(records), "evaluator": kind, "tasks": list(tasks),
-              "runs": [{"name": r.name, "precision": r.precision, "model": r.model, "metrics": r.metrics}
-                       for r in runs],
+              "runs": [{"name": r.name, "precision": r.precision, "model": r.model, "metrics": r.metrics,
+                        "latency_ms": r.latency_ms, "threads": r.threads} for r in runs],
+              "cpu": describe_cpu(),
               "comparisons": [compare(reference, r, records) for r in runs[1:]]}
     print(table(runs, reference))
     for c, r in zip(report["comparisons"], runs[1:]):
@@ -230,6 +292,8 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
               + "".join(f"\n  {Path(w['picture']).name}: {w['difference']}" for w in c["worst"]))
         if vis:
             write_vis(Path(vis), reference, r, c)
+    if plot_path:
+        print(f"plot: {plot(Path(plot_path), runs)}")
     if json_path:
         atomic_json(Path(json_path), report)
     return report
@@ -244,7 +308,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                 "examples:\n"
                 "  d2export evaluate outputs/textdet/run1 --dataset data/synth_text --config textdet\n"
                 "  d2export evaluate fp32/ fp16/ --coco-json val.json --image-root val/ --max-images 200\n"
-                "  d2export evaluate --config rcnn_tiny --dataset my_val --imports my_project.datasets")
+                "  d2export evaluate --config rcnn_tiny --dataset my_val --imports my_project.datasets\n"
+                "  d2export evaluate --config textdet_micro --dataset held/ --precision fp32,fp16,int8 --plot p.png")
     ap.add_argument("items", nargs="*", metavar="MODEL|OVERRIDE",
                     help="exported models (folders or .onnx files), and config overrides (key=value) for --config")
     ap.add_argument("--dataset", default=None, help="a name in detectron2's DatasetCatalog or a folder `d2export "
@@ -261,6 +326,13 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--providers", default="cpu", help="onnxruntime execution providers, comma-separated")
     ap.add_argument("--vis", default=None, metavar="DIR", help="write reference | model pictures of the worst "
                     "differing pictures there (default: none)")
+    ap.add_argument("--precision", default="", help="with --config: also export it at each of these precisions "
+                    "and evaluate them, comma-separated: fp32, fp16, int8 (dynamic), int8-static (give "
+                    "export.calibration=FOLDER) (default: none)")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads of every run, PyTorch and onnxruntime "
+                    "alike (default: 0, torch's count)")
+    ap.add_argument("--plot", default=None, metavar="FILE", help="draw accuracy against latency there (default: "
+                    "none)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON (default: none)")
     ap.add_argument("--traceback", "--verbose", action="store_true", help="show full tracebacks on errors")
     args = ap.parse_args(argv)
@@ -276,7 +348,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         with quiet_imports():
                 evaluate(models, args.dataset, args.config, overrides, args.coco_json, args.image_root, args.evaluator,
                      [m for m in args.imports.split(",") if m], args.max_images or None, args.providers.split(","),
-                     args.vis, args.json)
+                     args.vis, args.json, [p for p in args.precision.split(",") if p], args.threads, args.plot)
     except Exception as e:  # noqa: BLE001 - one line unless --traceback
         if args.traceback:
             raise

@@ -5,6 +5,7 @@ evaluator as detectron2 `Instances`. Every run also keeps its predictions (`Pred
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -24,6 +25,12 @@ class Run:
     metrics: dict[str, float]
     predictions: list[Prediction] = field(repr=False)
     model: str = ""
+    latency_ms: float = math.nan  # median per picture of the model's call: eager forward, or the predictor's predict
+    threads: int = 0  # the CPU threads it ran on (torch's, or onnxruntime's intra-op)
+
+
+def median_ms(seconds: Sequence[float]) -> float:
+    return float(np.median(seconds) * 1e3) if len(seconds) else math.nan
 
 
 def flatten(results: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -78,11 +85,33 @@ class EagerInputs:
 
 def pytorch_run(model, records: Sequence[dict], evaluator: DatasetEvaluator, pre: dict[str, Any],
                 post: dict[str, Any]) -> Run:
+    import torch
     from detectron2.evaluation import inference_on_dataset
 
-    keep = _Keep(post)
-    results = inference_on_dataset(model, EagerInputs(records, pre), DatasetEvaluators([evaluator, keep]))
-    return Run("PyTorch", "float32", flatten(results), keep.predictions)
+    keep, timed = _Keep(post), _Timed(model)
+    results = inference_on_dataset(timed, EagerInputs(records, pre), DatasetEvaluators([evaluator, keep]))
+    return Run("PyTorch", "float32", flatten(results), keep.predictions, latency_ms=median_ms(timed.seconds),
+               threads=torch.get_num_threads())
+
+
+def _Timed(model):
+    """`model` (an nn.Module, as inference_on_dataset wants) behind a wrapper that times each call."""
+    import time
+
+    from torch import nn
+
+    class Timed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.seconds = model, []
+
+        def forward(self, inputs):
+            started = time.perf_counter()
+            out = self.model(inputs)
+            self.seconds.append(time.perf_counter() - started)
+            return out
+
+    return Timed()
 
 
 def onnx_run(model_path: Path, records: Sequence[dict], make_evaluator: Callable[[dict], DatasetEvaluator],
@@ -94,13 +123,16 @@ def onnx_run(model_path: Path, records: Sequence[dict], make_evaluator: Callable
     post = predictor.manifest.postprocess
     evaluator = make_evaluator(post)
     evaluator.reset()
-    predictions = []
+    predictions, seconds = [], []
     for record in steps(records, model_path.parent.name or model_path.name):
-        prediction = predictor.predict(read_image(record["file_name"]))
+        image = read_image(record["file_name"])
+        started = time.perf_counter()
+        prediction = predictor.predict(image)
+        seconds.append(time.perf_counter() - started)
         predictions.append(prediction)
         evaluator.process([record], [{"instances": to_instances(prediction, post)}])
     return Run(model_path.parent.name, predictor.manifest.precision, flatten(evaluator.evaluate()), predictions,
-               str(model_path))
+               str(model_path), median_ms(seconds), threads)
 
 
 def _points(prediction: Prediction) -> list[np.ndarray]:

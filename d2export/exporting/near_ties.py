@@ -16,9 +16,9 @@ from typing import Sequence
 
 import numpy as np
 
-# relative gap under which two scores count as near-tied after a deep network's noise: float32, and float16 (whose
-# own spacing is ~1e-3 relative)
-CLOSE = {"float32": 1e-5, "float16": 2e-3}
+# relative gap under which two scores count as near-tied after a deep network's noise: float32, float16 (whose
+# own spacing is ~1e-3 relative), and int8 (a step of 1/255 of a tensor's range, ~1e-2 of its largest values)
+CLOSE = {"float32": 1e-5, "float16": 2e-3, "int8": 1e-2}
 
 
 @dataclass

@@ -204,6 +204,10 @@ class _Pinner:
         differs = e != p
         noise_at = _difference(rows, theirs)
         swapped = np.concatenate([np.take_along_axis(noise_at, i, -1)[differs] for i in (e, p)])  # those it concerns
+        limit = self.tolerances.atol + self.tolerances.rtol * np.abs(rows)
+        beyond = np.concatenate([np.take_along_axis(noise_at - limit, i, -1)[differs] for i in (e, p)])
+        if (beyond > 0).any():  # `max_mismatch` spares candidates no pick depends on, never one that was swapped
+            return self._refuse(g, values, indices, _not_noise(float(swapped.max())))
         self.found.append(Pick(g.node, int(differs.sum()), float(_difference(vp, ve)[differs].max()),
                                2 * float(swapped.max())))
         if not self.found[-1].tied:
@@ -361,3 +365,16 @@ def pin_cases(path, cases, output_names: Sequence[str], rerun, judge, tolerances
         return [PinnedCase(c.name, why="the graph makes no selection (TopK, NMS)") for c in cases]
     names = [o.name for o in session.get_outputs()]
     return [pin_case(c, session, nodes, names, output_names, rerun, judge, tolerances) for c in cases]
+
+
+def with_pinned(results: list, pinned: list) -> list:
+    """`results` with the comparisons of each case that pinning cleared replaced by those made after pinning."""
+    cleared = {p.case: p.comparisons for p in pinned if p.ok}
+    kept = [r for r in results if r.case not in cleared]
+    return kept + [c for comparisons in cleared.values() for c in comparisons]
+
+
+def unpinned_lines(summary: dict) -> str:
+    """For a failed verification: why pinning did not clear each case it was tried on."""
+    return "".join(f"\n{p['case']}: pinning did not clear the case: {p['why']}"
+                   for p in summary.get("pinned", []) if not p["ok"])

@@ -193,23 +193,25 @@ def _per_slot(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], n:
             if e.dtype.kind in "fbiu" and e.ndim >= 2 and e.shape[:2] == (n, k) and actual[name].shape == e.shape]
 
 
-def at_the_cut(expected: dict[str, np.ndarray], paired: dict[str, np.ndarray], score_output: str, atol: float,
-               rtol: float) -> np.ndarray:
+def at_the_cut(expected: dict[str, np.ndarray], paired: dict[str, np.ndarray], score_output: str,
+               tolerance: Mapping[str, tuple[float, float]]) -> np.ndarray:
     """[N, K] bool: expected slots whose matched pair (`paired`: the graph's outputs in the expected order, as
     `reordered` gives them) disagrees but may have come and gone where the list is cut.
     A list keeps the K best-scoring detections; one scoring within the score tolerance of the other list's lowest
     kept score may fall out of that list under noise the tolerance allows, and another takes its slot. Such a pair
     is excused only if both of its scores lie within the tolerance of the other list's cut: a detection that scores
-    clearly above the cut must still be found, with its outputs within tolerance."""
+    clearly above the cut must still be found, with its outputs within tolerance (`tolerance[name]`: (atol, rtol);
+    ids agree only where equal)."""
     n, k = expected[score_output].shape[:2]
     per_slot = _per_slot(expected, paired, n, k)
     if score_output not in per_slot:  # the scores' layouts differ: nothing is excused
         return np.zeros((n, k), dtype=bool)
     agrees = np.ones((n, k), dtype=bool)
     for name in per_slot:
-        e, a = expected[name], paired[name]  # ids: a pair agrees only on the same ones
-        near = ~_elementwise(e, a, atol, rtol)[2] if e.dtype.kind == "f" else e == a
+        e, a = expected[name], paired[name]
+        near = ~_elementwise(e, a, *tolerance[name])[2] if e.dtype.kind == "f" else e == a
         agrees &= near.reshape(n, k, -1).all(-1)
+    atol, rtol = tolerance[score_output]
     e_s, a_s = expected[score_output].astype(np.float64), paired[score_output].astype(np.float64)
     reach = lambda cut: cut + atol + rtol * np.abs(cut)  # noqa: E731 - the highest score noise can carry to the cut
     e_cut, a_cut = e_s.min(axis=1, keepdims=True), a_s.min(axis=1, keepdims=True)
@@ -229,47 +231,93 @@ def top_k_agreement(expected: np.ndarray, actual: np.ndarray, k: int, order: np.
     return float(min(len({int(o[i]) for i in top(r)} & set(top(q).tolist())) / k for r, q, o in zip(e, a, order)))
 
 
-def run_reduced_precision(session, output_names: Sequence[str], cases: Sequence[Case], atol: float, rtol: float,
-                          max_mismatch: float, score_output: str, top_k: int, min_agreement: float) -> dict:
+@dataclass(frozen=True)
+class Reduced:
+    """What a reduced-precision graph (float16, int8) is held to against eager float32, by kind of output: scores,
+    probabilities, logits and masks within `atol + rtol·|x|`, coordinates within `pixel_atol + pixel_rtol·|x|` pixels,
+    ids equal. A confident detection (scoring at least `confident` on either side) must agree on every output but its
+    mask, where an id may flip only if its probability leaves room for a tie; the other detections, masks and outputs
+    not laid out per detection may have a fraction `max_mismatch` of their elements outside. The `top_k`
+    best-scoring detections must be the same ones for at least `min_agreement` of them."""
+    precision: str  # "float16", "int8": what the messages and the manifest call it
+    atol: float
+    rtol: float
+    pixel_atol: float
+    pixel_rtol: float
+    max_mismatch: float
+    confident: float = 0.3
+    top_k: int = 5
+    min_agreement: float = 0.8
+
+    def tolerance(self, kind: str) -> tuple[float, float]:
+        return {"ids": (0.0, 0.0), "pixels": (self.pixel_atol, self.pixel_rtol)}.get(kind, (self.atol, self.rtol))
+
+
+# The probability beside an id output: under softmax a class over one half (plus the tolerance) has no rival within
+# the tolerance, so only an id whose probability is at most that may flip in a confident detection.
+TIE_SCORES = {"labels": "scores", "char_ids": "char_scores"}
+
+
+def run_reduced_precision(session, output_names: Sequence[str], cases: Sequence[Case], tol: Reduced,
+                          kinds: Mapping[str, str], score_output: str = "scores") -> dict:
     """A reduced-precision graph against eager float32, case by case (`compare_reduced_case`)."""
     from d2export.progress import steps
 
     results, agreements = [], {}
-    for case in steps(cases, "verifying float16"):
+    for case in steps(cases, f"verifying {tol.precision}"):
         actual = dict(zip(output_names, session.run(list(output_names), case.inputs)))
         compared, agreements[case.name] = compare_reduced_case(case.name, dict(zip(output_names, case.expected)),
-                                                               actual, atol, rtol, max_mismatch, score_output, top_k)
+                                                               actual, tol, kinds, score_output)
         results += compared
-    return reduced_summary(results, agreements, atol, rtol, max_mismatch, top_k, min_agreement)
+    return reduced_summary(results, agreements, tol)
 
 
-def compare_reduced_case(case: str, expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], atol: float,
-                         rtol: float, max_mismatch: float, score_output: str, top_k: int) -> tuple[list, float]:
+def compare_reduced_case(case: str, expected: dict[str, np.ndarray], actual: dict[str, np.ndarray], tol: Reduced,
+                         kinds: Mapping[str, str], score_output: str = "scores") -> tuple[list, float]:
     """Detections are matched by content first (`match_slots`); pairs that came and went at the list's cut
-    (`at_the_cut`) are left out; then every output may have a fraction `max_mismatch` of the remaining pairs'
-    elements outside its (looser) tolerance: the pairs left out count neither way, so a list mostly at its cut
-    cannot hide the detections above it. Returns the comparisons and the fraction of the top-`top_k` detections by
+    (`at_the_cut`) are left out; the rest are judged as `Reduced` says, each output by its kind (`kinds`: name →
+    kind, as `Family.output_kinds`). The pairs left out count neither way, so a list mostly at its cut cannot hide the
+    detections above it. Returns the comparisons and the fraction of the top-`tol.top_k` detections by
     `score_output` that are the same ones (1.0 without scores)."""
+    tolerance = {name: tol.tolerance(output_kind(name, kinds)) for name in expected}
     order = match_slots(expected, actual, score_output) if score_output in actual else None
     paired = {name: reordered(actual[name], order) for name in expected}
-    cut = None if order is None else at_the_cut(expected, paired, score_output, atol, rtol)
+    cut = None if order is None else at_the_cut(expected, paired, score_output, tolerance)
+    confident = None
+    if cut is not None and paired[score_output].shape == expected[score_output].shape:
+        confident = np.maximum(expected[score_output], paired[score_output]) >= tol.confident
     results = []
     for name, e in expected.items():
-        a, excused = paired[name], 0
-        if cut is not None and a.shape == e.shape and a.shape[:2] == cut.shape:
+        a, excused, strict = paired[name], 0, None
+        if np.shape(a) != np.shape(e):
+            results.append(Comparison(case, name, list(np.shape(e)), float("inf"), float("inf"), 1.0, False))
+            continue
+        if cut is not None and e.ndim >= 2 and e.shape[:2] == cut.shape:
+            strict = confident[~cut] if confident is not None else np.zeros(int((~cut).sum()), bool)
             e, a, excused = e[~cut], a[~cut], int(cut.sum())  # [pairs kept, ...]
-        d = difference(e, a, atol, rtol)
-        results.append(Comparison(case, name, list(np.shape(expected[name])), d.max_abs, d.max_rel, d.mismatch,
-                                  np.shape(e) == np.shape(a) and d.mismatch <= max_mismatch, excused))
-    agreement = 1.0 if order is None else top_k_agreement(expected[score_output], actual[score_output], top_k, order)
+        d = difference(e, a, *tolerance[name])
+        bad = _elementwise(e, a, *tolerance[name])[2] if e.size else np.zeros(e.shape, bool)
+        ok = d.mismatch <= tol.max_mismatch
+        if strict is not None and strict.any() and output_kind(name, kinds) != "masks":  # a mask's edge may waver
+            wrong = bad[strict]
+            tie = TIE_SCORES.get(name)
+            if wrong.any() and tie in expected and np.shape(expected[tie]) == np.shape(expected[name]):
+                p = expected[tie][~cut][strict] if cut is not None else expected[tie][strict]
+                wrong = wrong & (p > 0.5 + tol.atol)  # a flip where no tie is possible
+            ok = ok and not wrong.any()
+        results.append(Comparison(case, name, list(np.shape(expected[name])), d.max_abs, d.max_rel, d.mismatch, ok,
+                                  excused))
+    agreement = 1.0 if order is None else top_k_agreement(expected[score_output], actual[score_output], tol.top_k,
+                                                           order)
     return results, agreement
 
 
-def reduced_summary(results: Sequence[Comparison], agreements: dict[str, float], atol: float, rtol: float,
-                    max_mismatch: float, top_k: int, min_agreement: float) -> dict:
+def reduced_summary(results: Sequence[Comparison], agreements: dict[str, float], tol: Reduced) -> dict:
     """`agreements`: each case's top-K agreement, by case name."""
     agreement = min(agreements.values(), default=1.0)
-    return summarise(results) | {"atol": atol, "rtol": rtol, "max_mismatch": max_mismatch, "top_k": top_k,
+    return summarise(results) | {"tolerances": {kind: dict(zip(("atol", "rtol"), tol.tolerance(kind)))
+                                                for kind in KINDS},
+                                 "max_mismatch": tol.max_mismatch, "confident": tol.confident, "top_k": tol.top_k,
                                  "top_k_agreement": agreement, "case_agreement": agreements,
-                                 "min_top_k_agreement": min_agreement,
-                                 "passed": all(r.ok for r in results) and agreement >= min_agreement}
+                                 "min_top_k_agreement": tol.min_agreement,
+                                 "passed": all(r.ok for r in results) and agreement >= tol.min_agreement}

@@ -51,6 +51,11 @@ class Family:
     output_kinds: dict[str, str] = {}
     # the output the detections are sorted by (descending), where they are: tied slots may swap in verification
     sorted_by: str | None = None
+    # export.int8: modules (torch.onnx names nodes by module path) whose Conv/MatMul/Gemm stay float, where int8
+    # breaks what a few bits move far: sampling locations, attention weights, box and point decoding (docs/int8.md)
+    int8_float_scopes: tuple[str, ...] = ()
+    # export.int8=static: the operator types quantised (dynamic takes MatMul and Gemm)
+    int8_static_ops: tuple[str, ...] = ("Conv", "MatMul", "Gemm")
     # seeded random weights only (never a checkpoint): parameter-name fragment → factor, for heads whose random
     # initialisation is degenerate as no trained model is (every score saturated to 1.0, boxes thrown off the picture)
     seeded_scales: dict[str, float] = {}

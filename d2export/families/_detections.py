@@ -85,6 +85,8 @@ class Detectron2Detections(Family):
     """detectron2's own detectors: detections sorted by score, documented and post-processed alike."""
     output_docs = OUTPUT_DOCS
     output_kinds = OUTPUT_KINDS
+    # box regression (RPN anchors, ROI heads' deltas), keypoint heatmaps' locations
+    int8_float_scopes = ("anchor_deltas", "bbox_pred", "bbox_embed")
     sorted_by = "scores"
     # random box deltas throw boxes out of the picture; RetinaNet's classifier tower (std-0.01 convolutions) shrinks
     # every logit to its prior, so all anchors score alike (a thousand near-ties per TopK): its convolutions get a

@@ -36,6 +36,7 @@ class DetrBoxes(Family):
     priority = 40
     output_docs = OUTPUT_DOCS
     output_kinds = OUTPUT_KINDS
+    int8_float_scopes = ("sampling_offsets", "attention_weights", "reference_points", "bbox_embed")
     sorted_by = "scores"
 
     def missing(self, model):

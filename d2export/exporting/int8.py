@@ -1,0 +1,154 @@
+"""int8 graphs with onnxruntime's quantization tooling (chosen over our own: its QDQ and integer kernels are what
+onnxruntime runs fast). `quant_pre_process` first (shape inference and the basic optimisations the tooling expects),
+then dynamic (weights int8, activations quantised per run) or static (activations' ranges calibrated on pictures)
+quantisation of the operator types that pay, with what int8 breaks kept float by the family's `int8_float_scopes`.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+log = logging.getLogger("d2export")
+
+MODES = ("dynamic", "static")
+METHODS = ("minmax", "entropy", "percentile")
+# Conv through ConvInteger (dynamic) is slower than float on onnxruntime's CPU provider: dynamic takes the MatMuls;
+# static takes what the family's `int8_static_ops` says
+DYNAMIC_OPS = ("MatMul", "Gemm")
+VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")  # u8s8 dot products without the 16-bit saturation of plain AVX2/512
+
+
+@dataclass
+class Int8Record:
+    """What was quantised and how: the manifest's `verification["int8"]["quantization"]`."""
+
+    mode: str
+    op_types: list
+    reduce_range: bool
+    why_reduce_range: str
+    kept_float: list  # node names of the quantised op types left float
+    quantized: int  # nodes of those types quantised
+    calibration: dict | None = None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def reduce_range_for(features: Sequence[str]) -> tuple[bool, str]:
+    """7-bit weights where the CPU lacks VNNI: u8s8 products summed in pairs saturate int16 on AVX2/AVX-512 alone."""
+    have = [f for f in VNNI if f in features]
+    if have:
+        return False, f"the CPU has {', '.join(have)}: full 8-bit range"
+    return True, "no VNNI on this CPU: 7-bit weights (reduce_range) avoid u8s8 saturation"
+
+
+def in_scope(node_name: str, scopes: Sequence[str]) -> bool:
+    """Whether a node named by torch.onnx after its module path ("/testr/ctrl_point_coord.0/layers.1/MatMul") lies in
+    a module named in `scopes` ("ctrl_point_coord" takes its list items ctrl_point_coord.0, .1, … too)."""
+    parts = node_name.split("/")
+    return any(p == s or p.startswith(s + ".") for p in parts for s in scopes)
+
+
+def float_nodes(model, op_types: Sequence[str], scopes: Sequence[str]) -> list[str]:
+    """The nodes of `op_types` in `scopes`."""
+    return [n.name for n in model.graph.node if n.op_type in op_types and in_scope(n.name, scopes)]
+
+
+INTEGER_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "ConvInteger", "QLinearConv", "QLinearMatMul")
+
+
+def quantized_count(model) -> int:
+    """Operators that compute in int8: integer ones (dynamic), or float ones fed a dequantised weight (QDQ)."""
+    dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    return sum(n.op_type in INTEGER_OPS or (n.op_type in ("Conv", "MatMul", "Gemm") and len(n.input) > 1
+                                            and n.input[1] in dequantized) for n in model.graph.node)
+
+
+class Pictures:
+    """onnxruntime's CalibrationDataReader over picture files, one picture a run, resized and fed as the graph takes
+    them (`feeds(chw) -> dict`); `set_range` lets the calibrator take them a few at a time (bounded memory)."""
+
+    def __init__(self, files: Sequence[Path], feeds: Callable[[np.ndarray], dict]):
+        self.files, self.feeds = list(files), feeds
+        self.start, self.end, self.at = 0, len(self.files), 0
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self.start, self.end, self.at = start_index, min(end_index, len(self.files)), start_index
+
+    def get_next(self) -> dict | None:
+        if self.at >= self.end:
+            return None
+        from PIL import Image
+
+        with Image.open(self.files[self.at]) as im:
+            picture = np.asarray(im.convert("RGB"))
+        self.at += 1
+        return self.feeds(picture)
+
+
+def calibration_files(source: str, count: int) -> list[Path]:
+    """The first `count` pictures of a folder (`d2export synth` writes them under images/) or a registered detectron2
+    dataset, in a fixed order."""
+    folder = Path(source)
+    if folder.is_dir():
+        root = folder / "images" if (folder / "images").is_dir() else folder
+        files = sorted(p for p in root.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".bmp"))
+    else:
+        from detectron2.data import DatasetCatalog
+
+        if source not in DatasetCatalog.list():
+            raise ValueError(f"export.calibration.source={source!r} is neither a folder nor a registered dataset")
+        files = [Path(r["file_name"]) for r in DatasetCatalog.get(source)]
+    if not files:
+        raise ValueError(f"export.calibration.source={source!r} holds no pictures")
+    return files[:count]
+
+
+def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: Sequence[str],
+             pictures: Pictures | None = None, method: str = "minmax",
+             static_ops: Sequence[str] = ("Conv", "MatMul", "Gemm")) -> Int8Record:
+    """The float32 graph at `src` quantised into `dst` (static needs `pictures`; it quantises `static_ops`)."""
+    import onnx
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    if mode not in MODES:
+        raise ValueError(f"export.int8={mode!r}: choose one of {MODES}")
+    op_types = list(DYNAMIC_OPS if mode == "dynamic" else static_ops)
+    reduce_range, why = reduce_range_for(features)
+    with tempfile.TemporaryDirectory(prefix="d2export-int8-") as tmp:
+        pre = Path(tmp) / "pre.onnx"
+        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)  # shapes are dynamic: ONNX inference alone
+        kept = float_nodes(onnx.load(str(pre), load_external_data=False), op_types, scopes)
+        # weight MatMuls only: attention's activation x activation products stay float
+        options = {"MatMulConstBOnly": True}
+        if mode == "dynamic":
+            quantize_dynamic(str(pre), str(dst), op_types_to_quantize=op_types, per_channel=False,
+                             reduce_range=reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=kept,
+                             extra_options=options)
+            calibration = None
+        else:
+            if pictures is None:
+                raise ValueError("export.int8=static needs calibration pictures (export.calibration.source)")
+            methods = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+                       "percentile": CalibrationMethod.Percentile}
+            if method not in methods:
+                raise ValueError(f"export.calibration.method={method!r}: choose one of {METHODS}")
+            # one picture at a time through the calibrator, its ranges or histograms kept, its tensors dropped
+            options |= {"CalibStridedMinMax": 1, "ActivationSymmetric": False, "WeightSymmetric": True}
+            quantize_static(str(pre), str(dst), pictures, quant_format=QuantFormat.QDQ, op_types_to_quantize=op_types,
+                            per_channel=True, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
+                            weight_type=QuantType.QInt8, nodes_to_exclude=kept,
+                            calibrate_method=methods[method], extra_options=options)
+            calibration = {"pictures": len(pictures), "method": method}
+    quantized = quantized_count(onnx.load(str(dst), load_external_data=False))
+    return Int8Record(mode, op_types, reduce_range, why, kept, quantized, calibration)
+

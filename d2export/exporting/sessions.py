@@ -1,0 +1,39 @@
+"""onnxruntime sessions for checking a staged graph, shared by float32 and reduced-precision verification."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from d2export.runtime import custom_ops
+
+
+def session_options(path: Path):
+    """Session options with the custom operators the graph at `path` uses registered."""
+    import onnxruntime as ort
+
+    return custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
+
+
+def session(path: Path, providers):
+    """An onnxruntime session for checking the staged graph, with the custom operators it uses registered and the
+    providers' options a served model gets by default (TF32 off on CUDA)."""
+    import onnxruntime as ort
+
+    from d2export.runtime.predictor import options_per_provider, resolve_providers
+
+    providers = resolve_providers(providers)
+    return ort.InferenceSession(str(path), session_options(path), providers=providers,
+                                provider_options=options_per_provider(providers))
+
+
+def ran_on(session) -> dict:
+    """The providers a verification really ran on, with their options: what a server must use to serve the same."""
+    return {"providers": session.get_providers(), "provider_options": session.get_provider_options()}
+
+
+def near_ties_lines(path: Path, cases, results, precision: str) -> str:
+    """For a failed verification: the graph's selections that are near-tied on the failing cases ('' if none)."""
+    from d2export.exporting import near_ties
+
+    failed = {r.case for r in results if not r.ok}
+    found = near_ties.describe(path, [c for c in cases if c.name in failed], session_options(path), precision)
+    return f"\n{found}" if found else ""
