@@ -15,9 +15,9 @@ WORDS = [box(0, 0, 100, 20, "Hello"), box(0, 50, 60, 70, "world")]
 
 def test_perfect():
     c = count(WORDS, [box(0, 0, 100, 20, "hello"), box(0, 50, 60, 70, "WORLD")])  # case does not count
-    assert c == Counts(words=2, detections=2, matched=2, read=2)
+    assert c == Counts(words=2, detections=2, matched=2, read=2, chars=10)
     s = c.summary()
-    assert s["det_hmean"] == s["e2e_hmean"] == 100.0
+    assert s["det_hmean"] == s["e2e_hmean"] == s["char_accuracy"] == 100.0
 
 
 def test_one_missed_word():
@@ -29,9 +29,9 @@ def test_one_missed_word():
 
 def test_one_wrong_transcription():
     c = count(WORDS, [box(0, 0, 100, 20, "Hello"), box(0, 50, 60, 70, "word")])
-    assert c == Counts(words=2, detections=2, matched=2, read=1)
+    assert c == Counts(words=2, detections=2, matched=2, read=1, chars=10, char_errors=1)  # "word" lacks an l
     s = c.summary()
-    assert s["det_hmean"] == 100.0 and s["e2e_precision"] == s["e2e_recall"] == 50.0
+    assert s["det_hmean"] == 100.0 and s["e2e_precision"] == s["e2e_recall"] == 50.0 and s["char_accuracy"] == 90.0
 
 
 def test_a_split_polygon_matches_nothing():
@@ -48,15 +48,15 @@ def test_iou_just_over_and_under_one_half(right, matched):
 
 def test_one_detection_matches_one_word_at_most():
     words = [box(0, 0, 100, 20, "a"), box(0, 2, 100, 22, "b")]
-    assert count(words, [box(0, 1, 100, 21, "b")]) == Counts(words=2, detections=1, matched=1, read=0)  # a tie: the
+    assert count(words, [box(0, 1, 100, 21, "b")]) == Counts(2, 1, 1, 0, 1, 1)  # a tie: the
     # first word takes it
-    assert count(words, [box(0, 1.5, 100, 21.5, "b")]) == Counts(words=2, detections=1, matched=1, read=1)  # nearer b
+    assert count(words, [box(0, 1.5, 100, 21.5, "b")]) == Counts(2, 1, 1, 1, 1, 0)  # nearer b
 
 
 def test_dont_care_words_count_for_neither_side():
     words = [box(0, 0, 100, 20, "Hello"), box(200, 0, 300, 20, "###")]
     c = count(words, [box(0, 0, 100, 20, "Hello"), box(205, 0, 295, 20, "xx")])
-    assert c == Counts(words=1, detections=1, matched=1, read=1)
+    assert c == Counts(words=1, detections=1, matched=1, read=1, chars=5)
 
 
 def test_self_crossing_detections_are_measured_not_dropped():
@@ -67,5 +67,19 @@ def test_self_crossing_detections_are_measured_not_dropped():
 
 def test_counts_add_up_over_pictures():
     total = count(WORDS, [box(0, 0, 100, 20, "Hello")]) + count(WORDS, WORDS)
-    assert total == Counts(words=4, detections=3, matched=3, read=3)
+    assert total == Counts(words=4, detections=3, matched=3, read=3, chars=15)  # Hello; Hello and world
     assert total.summary()["det_recall"] == 75.0
+
+
+@pytest.mark.parametrize("said, truth, distance", [("", "abc", 3), ("abc", "abc", 0), ("abd", "abc", 1),
+                                                   ("ac", "abc", 1), ("abcd", "abc", 1), ("xyzxyz", "ab", 6),
+                                                   ("kitten", "sitting", 3)])
+def test_edit_distance_by_hand(said, truth, distance):
+    from d2export.evaluating.text_metrics import edits
+
+    assert edits(said, truth) == distance == edits(truth, said)
+
+
+def test_a_misread_word_costs_at_most_its_characters():
+    c = count(WORDS[:1], [box(0, 0, 100, 20, "XXXXXXXXXXXX")])  # 12 characters for a word of 5: 5 errors, not 12
+    assert (c.chars, c.char_errors, c.summary()["char_accuracy"]) == (5, 5, 0.0)

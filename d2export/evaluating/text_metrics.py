@@ -4,7 +4,9 @@ Detection: a detection and a ground-truth word match when their polygons' IoU ex
 ICDAR/TotalText scripts compare); each matches at most once, the pairs taken by descending IoU. Words transcribed
 '###' are "don't care": they count for neither side, and a detection lying mostly (over half its area) on one is
 set aside. End-to-end (no lexicon): a matched pair counts when the transcriptions are equal ignoring case.
-Precision = matches / detections, recall = matches / words, H-mean their harmonic mean, in percent.
+Precision = matches / detections, recall = matches / words, H-mean their harmonic mean, in percent. Character accuracy
+(not TotalText's; it shows recognition learning before whole words come out right): 1 - the edits from the matched
+detections' transcriptions to their words, each word's at most its length, over the words' characters.
 
 Polygon areas come from shapely (the library AdelaiDet's evaluation uses); an invalid (self-crossing) polygon, as an
 untrained model draws, is repaired with `make_valid` rather than dropped.
@@ -32,6 +34,8 @@ class Counts:
     detections: int = 0  # detections, those set aside on don't-care words left out
     matched: int = 0  # detection matches
     read: int = 0  # matches whose transcription is right
+    chars: int = 0  # characters of the matched words
+    char_errors: int = 0  # edits from their transcriptions to them (ignoring case), at most each word's length
 
     def __add__(self, other: "Counts") -> "Counts":
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -47,7 +51,19 @@ class Counts:
         ep, er = ratio(self.read, self.detections), ratio(self.read, self.words)
         return {"det_precision": dp, "det_recall": dr, "det_hmean": hmean(dp, dr),
                 "e2e_precision": ep, "e2e_recall": er, "e2e_hmean": hmean(ep, er),
+                "char_accuracy": ratio(self.chars - self.char_errors, self.chars),
                 "words": self.words, "detections": self.detections}
+
+
+def edits(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions): a few lines for words of at most 25 characters
+    rather than a dependency."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        diagonal, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            diagonal, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, diagonal + (x != y))
+    return row[-1]
 
 
 def shape(points: np.ndarray):
@@ -73,7 +89,7 @@ def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
             if not any(not c and d.area > 0 and d.intersection(g).area / d.area > IOU for g, c in zip(gts, care))]
     pairs = sorted(((iou(gts[i], dets[j]), i, j) for i in range(len(gts)) if care[i] for j in kept),
                    key=lambda t: (-t[0], t[1], t[2]))
-    used_g, used_d, matched, read = set(), set(), 0, 0
+    used_g, used_d, matched, read, chars, errors = set(), set(), 0, 0, 0, 0
     for value, i, j in pairs:
         if value <= IOU:
             break
@@ -82,5 +98,8 @@ def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
         used_g.add(i)
         used_d.add(j)
         matched += 1
-        read += words[i].text.upper() == detections[j].text.upper()
-    return Counts(words=sum(care), detections=len(kept), matched=matched, read=read)
+        truth, said = words[i].text.upper(), detections[j].text.upper()
+        read += truth == said
+        chars += len(truth)
+        errors += min(edits(said, truth), len(truth))
+    return Counts(words=sum(care), detections=len(kept), matched=matched, read=read, chars=chars, char_errors=errors)
