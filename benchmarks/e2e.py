@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/benchmark.py e2e [--config textdet] [--size 640] [--threads 2] [--rounds 5]
         [--samplers gather fused] [--sizes 320 640 1024 1600] [--plot docs/performance.png] [--dynamo] [--fp16]
+        [--int8 dynamic static]
         [--out DIR [--reuse]]
 
 One run, one machine, in this order:
@@ -15,9 +16,12 @@ One run, one machine, in this order:
    best float32 rate this machine reaches on those threads, hence the most any float32 graph can beat eager by;
 4. per image size (--sizes): ms per image and the peak RSS of a fresh process that loads the model and runs it
    (eager and every graph, one child each), in one table and, with --plot, one figure;
-5. an onnxruntime profile of the first sampler's graph (warm runs only): time per op type, the MSDA sampling
-   cores' share, the top nodes;
-6. with --fp16, a float16 copy of the first graph and its parity against eager.
+5. an onnxruntime profile of every graph (warm runs only): its nodes as exported and as onnxruntime runs them, wall
+   against kernel time (the time outside any kernel), the top op types; then, for the first, time per op type, the
+   MSDA sampling cores' share, the top nodes;
+6. with --fp16, a float16 copy of the first graph and its parity against eager;
+with --int8, int8 copies of every graph (dynamic; static calibrated on 8 pictures) join steps 2-4 as rows of their
+own, and the header's CPU features (VNNI, AMX) say what int8 can gain here.
 """
 from __future__ import annotations
 
@@ -161,6 +165,7 @@ def profile(path: Path, feed: dict, threads: int, runs: int, tmp: Path) -> dict:
     events = json.loads(Path(session.end_profiling()).read_text())
     runs_ts = sorted(e["ts"] for e in events if e.get("name") == "model_run")
     first_warm = runs_ts[2] if len(runs_ts) > 2 else 0
+    walls = [e["dur"] / 1e3 for e in events if e.get("name") == "model_run" and e["ts"] >= first_warm]
     by_op, by_node, msda = collections.Counter(), collections.Counter(), 0.0
     for e in events:
         if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time") or e["ts"] < first_warm:
@@ -173,8 +178,22 @@ def profile(path: Path, feed: dict, threads: int, runs: int, tmp: Path) -> dict:
             scope = name.strip("/").rpartition("/")[0].replace("/", ".")
         if scope in scopes:
             msda += ms
+    # the nodes onnxruntime really runs (its optimised graph), and the wall time of a run beside its kernels'
     return {"by_op": by_op, "by_node": by_node, "msda_ms": msda, "total_ms": sum(by_op.values()),
-            "msda_calls": len(scopes)}
+            "msda_calls": len(scopes), "nodes_run": len(by_node), "nodes_exported": len(graph.node),
+            "wall_ms": statistics.median(walls) if walls else float("nan")}
+
+
+def print_profiles(profiles: dict) -> None:
+    """Every graph's profile in one table: nodes as exported and as run, wall against kernel time, the top ops."""
+    print("\n## where each graph's time goes (onnxruntime profile, warm runs)")
+    print(f"{'graph':40s} {'nodes':>6s} {'run':>6s} {'wall ms':>8s} {'kernel ms':>10s} {'outside':>8s}  "
+          "top op types (ms)")
+    for name, prof in profiles.items():
+        outside = prof["wall_ms"] - prof["total_ms"]
+        top = ", ".join(f"{op} {ms:.0f}" for op, ms in prof["by_op"].most_common(6))
+        print(f"{name:40s} {prof['nodes_exported']:6d} {prof['nodes_run']:6d} {prof['wall_ms']:8.0f} "
+              f"{prof['total_ms']:10.0f} {100 * outside / prof['wall_ms']:7.1f}%  {top}")
 
 
 # --- the compute floor ----------------------------------------------------------------------------------------
@@ -307,6 +326,10 @@ def main(argv=None):
     p.add_argument("--plot", help="write the per-size figure here (PNG; default: no figure)")
     p.add_argument("--dynamo", action="store_true", help="also export the first sampler with torch.export")
     p.add_argument("--fp16", action="store_true", help="also a float16 copy of the first graph, with its parity")
+    p.add_argument("--int8", nargs="*", default=[], choices=["dynamic", "static"],
+                   help="also int8 copies of every graph (export.int8's quantisation), timed beside them")
+    p.add_argument("--calibration", help="int8 static: a folder of pictures (default: 8 `d2export synth text` "
+                   "pictures of a seed of their own, at --size)")
     p.add_argument("--profile-runs", type=int, default=2, help="onnxruntime profiled runs per graph")
     p.add_argument("--out", help="keep the exported graphs here (default: a temporary directory)")
     p.add_argument("--reuse", action="store_true", help="reuse graphs already in --out instead of exporting")
@@ -368,6 +391,9 @@ def main(argv=None):
         with torch.no_grad():
             return [t.numpy() for t in built.adapter(*torch_args)]
 
+    if args.int8:
+        sessions.update(int8_sessions(args.int8, exports, built, out, args.threads, args.size, args.calibration))
+
     runners = {EAGER: eager}
     runners.update({name: (lambda s=s: s.run(output_names, feed)) for name, s in sessions.items()})
     reference = eager()
@@ -415,8 +441,10 @@ def main(argv=None):
     if args.profile_runs < 1:
         print("\n(no onnxruntime profile: --profile-runs 0)")
     else:
-        print_profile(first, profile(exports[first]["path"], feed, args.threads, args.profile_runs, out),
-                      args.profile_runs)
+        profiles = {name: profile(exports[name]["path"], feed, args.threads, args.profile_runs, out)
+                    for name in sessions}
+        print_profiles(profiles)
+        print_profile(first, profiles[first], args.profile_runs)
 
     if args.fp16:
         import onnx
@@ -430,6 +458,40 @@ def main(argv=None):
         par = parity(output_names, reference, half.run(output_names, feed))
         print(f"\n## float16 copy of '{first}': parity vs float32 eager")
         print("  " + ", ".join(f"{k} {v:.3g}" for k, v in par.items()))
+
+
+def int8_sessions(modes, exports: dict, built, out: Path, threads: int, size: int, calibration: str | None) -> dict:
+    """An int8 copy of every exported graph per mode, quantised as `export.int8` does (the family's float scopes,
+    reduce_range from the CPU), opened for timing: {"<graph> int8 <mode>": session}."""
+    from d2export.cpu import cpu_features
+    from d2export.datasets import generate
+    from d2export.exporting import int8
+    from d2export.imaging import resize_shortest_edge
+
+    folder = Path(calibration) if calibration else out / "calibration"
+    if "static" in modes and not calibration and not (folder / "annotations.json").is_file():
+        generate("text", folder, count=8, seed=11, size=(size, size), workers=1)
+
+    def feeds(picture):
+        chw = resize_shortest_edge(picture[:, :, ::-1].copy(), size, 10 * size).transpose(2, 0, 1)  # BGR, as built
+        return built.adapter.graph_inputs([np.ascontiguousarray(chw)])
+
+    found = {}
+    for name, info in list(exports.items()):
+        for mode in modes:
+            path = out / f"{info['path'].stem}_int8_{mode}.onnx"
+            pictures = int8.Pictures(int8.calibration_files(str(folder), 8), feeds) if mode == "static" else None
+            try:
+                record = int8.quantize(info["path"], path, mode, built.family.int8_scopes(mode), cpu_features(),
+                                       pictures, static_ops=built.family.int8_static_ops)
+            except Exception as e:  # noqa: BLE001 - a graph the tooling cannot take is a row that says so
+                print(f"{name} int8 {mode}: not quantised: {str(e).splitlines()[0][:200]}")
+                continue
+            print(f"{name} int8 {mode}: {record.quantized} nodes int8, {len(record.kept_float)} kept float; "
+                  f"{record.why_reduce_range}")
+            found[f"{name} int8 {mode}"], _ = open_session(path, threads, cache=False)
+            exports[f"{name} int8 {mode}"] = {"path": path}  # the per-size children load it from there
+    return found
 
 
 def print_profile(name: str, prof: dict, runs: int) -> None:

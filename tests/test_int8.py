@@ -44,6 +44,7 @@ def test_calibration_pictures_are_read_a_range_at_a_time(tmp_path):
     (["export.int8=half"], "choose dynamic or static"),
     (["export.int8=dynamic", "export.fp16=true"], "one precision"),
     (["export.int8=static"], "needs export.calibration"),
+    (["export.int8=static", "export.calibration=x", "export.sampler=fused"], "calibrator cannot load"),
     (["export.int8=static", "export.calibration=x", "export.calibration_method=kl"], "minmax, entropy or percentile"),
 ])
 def test_int8_settings_are_checked_up_front(overrides, says):

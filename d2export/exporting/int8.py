@@ -124,9 +124,16 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
         raise ValueError(f"export.int8={mode!r}: choose one of {MODES}")
     op_types = list(DYNAMIC_OPS if mode == "dynamic" else static_ops)
     reduce_range, why = reduce_range_for(features)
+    from d2export.runtime.custom_ops import graph_ops
+
+    custom = graph_ops(onnx.load(str(src), load_external_data=False))
+    if custom and mode == "static":
+        raise ValueError(f"export.int8=static: onnxruntime's calibrator cannot load the graph's {', '.join(custom)}; "
+                         "export with export.sampler=gather, or use export.int8=dynamic")
     with tempfile.TemporaryDirectory(prefix="d2export-int8-") as tmp:
         pre = Path(tmp) / "pre.onnx"
-        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True)  # shapes are dynamic: ONNX inference alone
+        # shapes are dynamic: ONNX's inference alone; the optimising session cannot load custom operators
+        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True, skip_optimization=bool(custom))
         kept = float_nodes(onnx.load(str(pre), load_external_data=False), op_types, scopes)
         # weight MatMuls only: attention's activation x activation products stay float
         options = {"MatMulConstBOnly": True}
