@@ -148,7 +148,10 @@ def test_evaluate_keeps_the_accuracy(exported, held_out):
     report = evaluate([str(out)], dataset=str(held_out), config="boxdet")
     torch_run, onnx_run = report["runs"]
     print(f"held-out AP: PyTorch {torch_run['metrics']['bbox/AP']:.2f}, ONNX {onnx_run['metrics']['bbox/AP']:.2f}")
-    assert torch_run["metrics"]["bbox/AP"] >= 40
+    # the record's held-out AP (300 pictures of seed 1: 80.88) minus the noise of 8 pictures (80.22 here): the
+    # fixture's earlier checkpoints (AP 66, 74) would fail
+    record = json.loads(FIXTURE.with_suffix(".json").read_text())
+    assert torch_run["metrics"]["bbox/AP"] >= record["bbox"]["AP"] - 5
     assert abs(onnx_run["metrics"]["bbox/AP"] - torch_run["metrics"]["bbox/AP"]) <= 0.1
     assert report["comparisons"][0]["differing_pictures"] <= 1
 
