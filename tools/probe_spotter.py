@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -80,12 +81,14 @@ def main(argv=None) -> int:
     ap.add_argument("--count", type=int, default=1000, help="training pictures")
     ap.add_argument("--size", default="320x320")
     ap.add_argument("--minutes", type=float, default=10, help="stop after this many minutes")
+    ap.add_argument("--steps", type=int, default=0, help="or stop after this many steps (0: only --minutes)")
     ap.add_argument("--threads", type=int, default=1, help="1: two probes side by side on 2 cores")
     ap.add_argument("--init", default="", help="start from these weights (a checkpoint or the float16 fixture)")
     ap.add_argument("--true-refs", action="store_true", help="the words' true boxes as the decoder's references")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
 
+    import numpy as np
     import torch
 
     from d2export.patching import compiled_ops
@@ -93,6 +96,8 @@ def main(argv=None) -> int:
     compiled_ops.install(["testr._C"])
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)  # detectron2's augmentations (the training sizes) draw from numpy's global generator
     import testr  # noqa: F401 - registers TransformerDetector
     from detectron2.data import DatasetCatalog
     from detectron2.modeling import build_model
@@ -125,7 +130,7 @@ def main(argv=None) -> int:
     clip = cfg.SOLVER.CLIP_GRADIENTS.CLIP_VALUE if cfg.SOLVER.CLIP_GRADIENTS.ENABLED else 0
     stream, started, sums, step = batches(records, mapper, cfg.SOLVER.IMS_PER_BATCH, 0, 0), time.time(), {}, 0
     with open(out / "log.jsonl", "w") as log:
-        while time.time() - started < args.minutes * 60:
+        while time.time() - started < args.minutes * 60 and not (args.steps and step >= args.steps):
             losses = train_step(model, optimizer, next(stream), clip)
             scheduler.step()
             step += 1
