@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs as detectron2 takes them")
     args = ap.parse_args(argv)
 
+    import numpy as np
     import torch
     from tqdm import tqdm
 
@@ -101,6 +102,8 @@ def main(argv=None) -> int:
     compiled_ops.install(["testr._C"])  # TESTR's CUDA op on the CPU, with a backward
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)  # detectron2's augmentations (the training sizes) draw from numpy's global generator
     import testr  # noqa: F401 - registers TransformerDetector
     from detectron2.modeling import build_model
     from detectron2.solver import build_lr_scheduler
