@@ -351,10 +351,13 @@ def _pin_selections(cfg: D2ExportConfig, path: Path, output_names, cases, failed
     return pinned
 
 
+VERIFY_KEYS = {"float16": "fp16", "int8": "int8"}  # a reduced precision → the prefix of its verify.* tolerances
+
+
 def reduced_tolerances(cfg: D2ExportConfig, precision: str = "float16") -> verify_mod.Reduced:
     """What a float16 or int8 graph of this config is held to (`verify.fp16_*` or `verify.int8_*`,
     `verify.confident`, top-K)."""
-    v, key = cfg.verify, {"float16": "fp16", "int8": "int8"}[precision]
+    v, key = cfg.verify, VERIFY_KEYS[precision]
     tol = [getattr(v, f"{key}_{name}") for name in ("atol", "rtol", "pixel_atol", "pixel_rtol", "max_mismatch")]
     return verify_mod.Reduced(precision, *tol, v.confident, v.top_k, v.min_top_k_agreement)
 
@@ -422,7 +425,7 @@ def _verify_reduced(cfg: D2ExportConfig, path: Path, output_names, cases, built:
     pin = lambda failed, judge, tolerances: _pin_selections(  # noqa: E731
         cfg, path, output_names, cases, failed, built, judge, tolerances)
     return reduced.verify(path, output_names, cases, reduced_tolerances(cfg, precision), built.family.output_kinds,
-                          cfg.verify.providers, pin, _settings(cfg, {"float16": "fp16", "int8": "int8"}[precision]))
+                          cfg.verify.providers, pin, _settings(cfg, VERIFY_KEYS[precision]))
 
 
 def ladder(built: Built, sizes: Sequence[Sequence[int]] | None = None):

@@ -32,13 +32,16 @@ class Tolerances:
     pixel_atol: float
     max_mismatch: float = 0.0
 
+    def past(self, eager: np.ndarray, graph: np.ndarray, pixels: bool = False) -> np.ndarray:
+        """Where |graph - eager| lies past the tolerance."""
+        return _difference(eager, graph) > (self.pixel_atol if pixels else self.atol) + self.rtol * np.abs(eager)
+
     def within(self, eager: np.ndarray, graph: np.ndarray, pixels: bool = False) -> tuple[float, bool]:
         """(the largest |graph - eager|, whether the elements past their tolerance are few enough)."""
         d = _difference(eager, graph)
         if not d.size:
             return 0.0, True
-        past = d > (self.pixel_atol if pixels else self.atol) + self.rtol * np.abs(eager)
-        return float(d.max()), float(past.mean()) <= self.max_mismatch
+        return float(d.max()), float(self.past(eager, graph, pixels).mean()) <= self.max_mismatch
 
 
 def _difference(a, b) -> np.ndarray:
@@ -204,9 +207,9 @@ class _Pinner:
         differs = e != p
         noise_at = _difference(rows, theirs)
         swapped = np.concatenate([np.take_along_axis(noise_at, i, -1)[differs] for i in (e, p)])  # those it concerns
-        limit = self.tolerances.atol + self.tolerances.rtol * np.abs(rows)
-        beyond = np.concatenate([np.take_along_axis(noise_at - limit, i, -1)[differs] for i in (e, p)])
-        if (beyond > 0).any():  # `max_mismatch` spares candidates no pick depends on, never one that was swapped
+        past = self.tolerances.past(rows, theirs)
+        if any(np.take_along_axis(past, i, -1)[differs].any() for i in (e, p)):  # `max_mismatch` spares candidates
+            # no pick depends on, never one that was swapped
             return self._refuse(g, values, indices, _not_noise(float(swapped.max())))
         self.found.append(Pick(g.node, int(differs.sum()), float(_difference(vp, ve)[differs].max()),
                                2 * float(swapped.max())))

@@ -296,14 +296,12 @@ def compare_reduced_case(case: str, expected: dict[str, np.ndarray], actual: dic
             strict = confident[~cut] if confident is not None else np.zeros(int((~cut).sum()), bool)
             e, a, excused = e[~cut], a[~cut], int(cut.sum())  # [pairs kept, ...]
         d = difference(e, a, *tolerance[name])
-        bad = _elementwise(e, a, *tolerance[name])[2] if e.size else np.zeros(e.shape, bool)
         ok = d.mismatch <= tol.max_mismatch
         if strict is not None and strict.any() and output_kind(name, kinds) != "masks":  # a mask's edge may waver
-            wrong = bad[strict]
+            wrong = _elementwise(e[strict], a[strict], *tolerance[name])[2]
             tie = TIE_SCORES.get(name)
             if wrong.any() and tie in expected and np.shape(expected[tie]) == np.shape(expected[name]):
-                p = expected[tie][~cut][strict] if cut is not None else expected[tie][strict]
-                wrong = wrong & (p > 0.5 + tol.atol)  # a flip where no tie is possible
+                wrong = wrong & (expected[tie][~cut][strict] > 0.5 + tol.atol)  # a flip where no tie is possible
             ok = ok and not wrong.any()
         results.append(Comparison(case, name, list(np.shape(expected[name])), d.max_abs, d.max_rel, d.mismatch, ok,
                                   excused))
