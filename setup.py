@@ -4,7 +4,8 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
 VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "d2export" / "__init__.py").read_text()).group(1)
@@ -23,6 +24,32 @@ def has_dist(name: str) -> bool:
 WANT_GPU = os.environ.get("D2EXPORT_ONNXRUNTIME") == "gpu" or has_dist("onnxruntime-gpu")
 ORT = [] if WANT_GPU else ["onnxruntime>=1.17"]
 
+# The fused MSDA operator as a native onnxruntime custom-op library (d2export/runtime/native), built where a C++
+# compiler exists; optional, so an install without one still succeeds and the numba kernel (the `fused` extra) serves
+# instead. Python never imports it: onnxruntime loads it by path (d2export.runtime.custom_ops finds it). No
+# -march=native: a wheel or a clone may move to another CPU; -O3 vectorises the kernel's loop over D for the default
+# target.
+NATIVE_FLAGS = (["/O2", "/std:c++17"] if os.name == "nt"
+                else ["-O3", "-g0", "-std=c++17", "-fvisibility=hidden", "-pthread"])
+MSDA_NATIVE = Extension(
+    "d2export.runtime._msda_native",
+    sources=["d2export/runtime/native/msda_op.cc"],
+    depends=["d2export/runtime/native/ort_abi.h"],
+    extra_compile_args=NATIVE_FLAGS,
+    extra_link_args=[] if os.name == "nt" else ["-pthread"],
+    export_symbols=["RegisterCustomOps"],
+    language="c++",
+    optional=True,
+)
+
+
+class BuildExt(build_ext):
+    def get_export_symbols(self, ext):
+        """A custom-op library, not a Python module: it exports RegisterCustomOps and no PyInit_ function (which
+        build_ext would otherwise ask the Windows linker to export)."""
+        return ext.export_symbols
+
+
 setup(
     name="d2export",
     version=VERSION,
@@ -32,6 +59,8 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["d2export", "d2export.*"]),
     package_data={"d2export": ["py.typed"]},
+    ext_modules=[MSDA_NATIVE],
+    cmdclass={"build_ext": BuildExt},
     install_requires=[
         # detectron2 is required too, but it is not on the registry for every Python: see scripts/install_detectron2.py
         "torch>=2.1",

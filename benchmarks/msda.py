@@ -139,9 +139,12 @@ FORMULATIONS = {
     "ORT ours: grid_sample": (_ours("grid_sample"), 17),
     "ORT ours: gather, one piece": (_Core(_gather, chunks=1), 17),
     "ORT ours: gather (default)": (_ours("gather"), 17),
-    "ORT ours: fused": (_ours("fused"), 17),
-    # the fused operator's kernel called straight from numpy: the rest of "ORT ours: fused" is the copying in and out
-    # of onnxruntime-extensions; with every sampling point at one pixel, its reads stay in L1: what is left is compute
+    # the fused operator with each of its kernels (D2EXPORT_MSDA_KERNEL): the native library, which onnxruntime calls
+    # in place on its own threads, and numba's behind onnxruntime-extensions
+    "ORT ours: fused, native kernel": (_ours("fused"), 17),
+    "ORT ours: fused, numba kernel": (_ours("fused"), 17),
+    # the numba kernel called straight from numpy: the rest of "fused, numba kernel" is the copying in and out of
+    # onnxruntime-extensions; with every sampling point at one pixel, its reads stay in L1: what is left is compute
     "fused kernel alone": (None, "kernel"),
     "fused kernel alone, every point at one pixel": (None, "kernel, one pixel"),
 }
@@ -171,7 +174,16 @@ def build_runner(name, inputs, threads):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    custom_ops.register(opts, custom_ops.graph_ops(__import__("onnx").load_from_string(buf.getvalue())))
+    kernel = {FUSED: "native", FUSED_NUMBA: "numba"}.get(name)
+    before = os.environ.get(custom_ops.KERNEL_ENV)
+    if kernel:
+        os.environ[custom_ops.KERNEL_ENV] = kernel
+    try:
+        custom_ops.register(opts, custom_ops.graph_ops(__import__("onnx").load_from_string(buf.getvalue())))
+    finally:
+        os.environ.pop(custom_ops.KERNEL_ENV, None)
+        if before is not None:
+            os.environ[custom_ops.KERNEL_ENV] = before
     session = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
     used = {i.name for i in session.get_inputs()}  # the reference bakes the level sizes: its graph drops them
     feed = {k: v.numpy() for k, v in zip(NAMES, inputs) if k in used}
@@ -208,8 +220,9 @@ def bench_case(size, lq, threads, rounds, memory):
     inputs = make_inputs(size, lq)
     runners = {name: build_runner(name, inputs, threads) for name in FORMULATIONS}
     times = {name: [] for name in runners}
-    for name, run in runners.items():  # warm-up
-        run()
+    outs = {name: run() for name, run in runners.items()}  # warm-up
+    native, numba_ = (np.asarray(outs[k][0], np.float64) for k in (FUSED, FUSED_NUMBA))
+    kernels_differ = float(np.abs(native - numba_).max() / np.abs(numba_).max())
     for _ in range(rounds):
         for name, run in runners.items():
             t = time.perf_counter()
@@ -217,11 +230,13 @@ def bench_case(size, lq, threads, rounds, memory):
             times[name].append(time.perf_counter() - t)
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
     peaks = {name: peak_memory_mb(name, size, lq, threads) for name in runners} if memory else {}
-    return inputs[3].shape[1], ms, peaks
+    return inputs[3].shape[1], ms, peaks, kernels_differ
 
 
-GATHER, FUSED = "ORT ours: gather (default)", "ORT ours: fused"
+GATHER = "ORT ours: gather (default)"
+FUSED, FUSED_NUMBA = "ORT ours: fused, native kernel", "ORT ours: fused, numba kernel"
 RATIOS = [  # (label, slower, faster)
+    ("native kernel vs numba kernel", FUSED_NUMBA, FUSED),
     ("fused vs gather", GATHER, FUSED),
     ("fused vs eager reference", "eager reference (per-level grid_sample)", FUSED),
     ("gather vs gather in one piece", "ORT ours: gather, one piece", GATHER),
@@ -281,7 +296,7 @@ def main(argv=None):
           f"measured copy bandwidth {rates['bandwidth'] / 1e9:.1f} GB/s, one core {rates['fma'] / 1e9:.1f} GFMA/s")
     for size in args.sizes:
         for lq in [None, *args.decoder_queries]:
-            n_q, ms, peaks = bench_case(size, lq, args.threads, args.rounds, not args.no_memory)
+            n_q, ms, peaks, differ = bench_case(size, lq, args.threads, args.rounds, not args.no_memory)
             floor = floor_ms(make_inputs(size, lq), rates, args.threads)
             print(f"\n## {size}x{size}, {'encoder' if lq is None else 'decoder'} Lq={n_q}")
             for name in ms:
@@ -291,9 +306,10 @@ def main(argv=None):
             for label, slow, fast in RATIOS:
                 print(f"  ratio {label:38s} {ms[slow] / ms[fast]:5.2f}x")
             print(f"  ratio {'fused vs floor':38s} {ms[FUSED] / floor:5.2f}x the floor")
+            print(f"  native vs numba kernel: largest difference {differ:.1e} of the output's largest value")
             alone, cached = ms["fused kernel alone"], ms["fused kernel alone, every point at one pixel"]
-            print(f"  of the fused call: onnxruntime-extensions' copies {ms[FUSED] - alone:.1f} ms, the kernel's "
-                  f"reads from value {alone - cached:.1f} ms, its arithmetic {cached:.1f} ms")
+            print(f"  of the numba call: onnxruntime-extensions' copies {ms[FUSED_NUMBA] - alone:.1f} ms, the "
+                  f"kernel's reads from value {alone - cached:.1f} ms, its arithmetic {cached:.1f} ms")
 
 
 if __name__ == "__main__":

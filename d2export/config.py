@@ -62,7 +62,8 @@ class ExportConfig:
     opset: Optional[int] = opt(None, "ONNX opset; null: 17 (onnxruntime 11–21, tensorrt 16–19)")
     sampler: str = opt("gather", "MSDA sampler in the graph: gather (portable, the default) | grid_sample (GridSample "
                        "nodes, opset >= 16) | pytorch | trt_plugin (TensorRT's plugin node) | fused (d2export's CPU "
-                       "operator for onnxruntime: fastest, needs the `fused` extra where it runs) | auto (gather when "
+                       "operator for onnxruntime: fastest; runs where d2export's native library was built, or with the "
+                       "`fused` extra) | auto (gather when "
                        "exporting)")
     dynamic: bool = opt(True, "dynamic batch, height and width; false bakes the dummy's shape")
     simplify: bool = opt(False, "run onnxslim over the graph after export")

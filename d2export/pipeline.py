@@ -305,7 +305,7 @@ def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) 
         "atol": v.atol, "rtol": v.rtol, "pixel_atol": v.pixel_atol,
         "tolerances": {kind: {"atol": a, "rtol": r} for kind, (a, r) in _tolerances_by_kind(cfg).items()},
         "output_kinds": {n: verify_mod.output_kind(n, built.family.output_kinds) for n in output_names}
-    } | sessions.ran_on(session)
+    } | sessions.ran_on(session, path)
     if pinned:
         summary["pinned"] = [p.to_dict() for p in pinned]
     if v.ladder or not summary["passed"]:

@@ -32,3 +32,18 @@ def test_msda_kernel_rows_compute_the_reference_call():
     np.testing.assert_allclose(alone, expected.numpy(), atol=2e-5)
     one_pixel = msda.build_runner("fused kernel alone, every point at one pixel", inputs, threads=1)()
     assert one_pixel.shape == expected.shape and not np.allclose(one_pixel, expected.numpy(), atol=1e-3)
+
+
+def test_msda_fused_rows_each_run_their_own_kernel(monkeypatch):
+    """The benchmark's two fused rows compute the reference call, each through the kernel its name says."""
+    from d2export.runtime import custom_ops
+
+    served = []
+    register = custom_ops.register
+    monkeypatch.setattr(custom_ops, "register", lambda options, ops: served.append(custom_ops.kernel().name)
+                        or register(options, ops))
+    inputs = msda.make_inputs(64, 40)
+    expected = msda.reference_msda(*[t.double() if t.is_floating_point() else t for t in inputs]).numpy()
+    for name in (msda.FUSED, msda.FUSED_NUMBA):
+        np.testing.assert_allclose(msda.build_runner(name, inputs, threads=1)()[0], expected, atol=2e-5)
+    assert served == ["native", "numba"]

@@ -117,7 +117,8 @@ def test_register_needs_nothing_for_portable_graphs_and_refuses_unknown_ops():
         options.get_session_config_entry("session.intra_op.allow_spinning")
 
 
-def test_register_stops_pool_spinning_unless_the_caller_chose():
+def test_register_stops_pool_spinning_unless_the_caller_chose(monkeypatch):
+    monkeypatch.setenv(custom_ops.KERNEL_ENV, "numba")  # the native kernel runs on the pool itself: spinning stays
     fused = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
     assert fused.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     chosen = ort.SessionOptions()
@@ -142,7 +143,7 @@ assert "torch" not in sys.modules
 
 def test_missing_extra_is_one_clear_line():
     done = subprocess.run([sys.executable, "-c", _BLOCKED], capture_output=True, text=True, cwd=ROOT,
-                          env=os.environ | {"PYTHONPATH": str(ROOT)})
+                          env=os.environ | {"PYTHONPATH": str(ROOT), custom_ops.KERNEL_ENV: "numba"})
     assert done.returncode == 0, done.stderr
     message = done.stdout.strip()
     assert len(message.splitlines()) == 1
@@ -175,9 +176,10 @@ print("ok")
 
 
 def test_registered_operator_runs_without_importing_torch():
-    """onnxruntime-extensions would import torch (2.4 s, ~650 MB) if it could; the runtime keeps it out."""
+    """onnxruntime-extensions would import torch (2.4 s, ~650 MB) if it could; the runtime keeps it out (the numba
+    kernel, which goes through it, forced: the native one loads no Python package at all)."""
     done = subprocess.run([sys.executable, "-c", _TORCH_FREE], capture_output=True, text=True, cwd=ROOT,
-                          env=os.environ | {"PYTHONPATH": str(ROOT)})
+                          env=os.environ | {"PYTHONPATH": str(ROOT), custom_ops.KERNEL_ENV: "numba"})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
@@ -194,14 +196,46 @@ def _fake_model(folder: Path, ops) -> Path:
     return path
 
 
-def test_triton_repository_refuses_custom_ops_in_one_line(tmp_path):
-    from d2export.runtime.triton import main, write_repository
+def test_triton_repository_carries_the_native_operator_library(tmp_path):
+    """A fused graph's repository holds the native library, and its config names it where the server will see the
+    repository (Triton's protobuf parses it); the copied library alone, loaded as the onnxruntime backend loads it
+    (no d2export, no Python kernel), runs a fused graph as the float64 reference computes it."""
+    import importlib.util
+
+    import tritonclient
+    from google.protobuf import text_format
+
+    from d2export.runtime.triton import OP_LIBRARY, main
 
     path = _fake_model(tmp_path, [custom_ops.FUSED_MSDA_ID])
-    with pytest.raises(ValueError, match="export.sampler=gather"):
+    assert main([str(path), str(tmp_path / "repo"), "--name", "spotter", "--mount", "/models"]) == 0
+    library = tmp_path / "repo" / "spotter" / OP_LIBRARY
+    assert library.read_bytes() == Path(custom_ops.native_library()).read_bytes()
+    spec = importlib.util.spec_from_file_location(
+        "triton_model_config_pb2", Path(tritonclient.__file__).parent / "grpc" / "model_config_pb2.py")
+    pb2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pb2)
+    config = text_format.Parse((library.parent / "config.pbtxt").read_text(), pb2.ModelConfig())
+    assert list(config.model_operations.op_library_filename) == [f"/models/spotter/{OP_LIBRARY}"]
+
+    args = random_msda_inputs([(9, 4), (5, 2), (1, 3)], n=2, lq=7, heads=2, dim=4, points=3, seed=4)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    session = ort.InferenceSession(_export("fused", args), options, providers=["CPUExecutionProvider"])
+    assert _max_err(_run(session, args), msda_reference(*args)) < 2e-6
+
+
+def test_triton_repository_without_the_native_library_is_refused_in_one_line(tmp_path, monkeypatch):
+    from d2export.runtime.triton import main, write_repository
+
+    monkeypatch.setattr(custom_ops, "native_library", lambda: None)  # as where no compiler built it
+    path = _fake_model(tmp_path, [custom_ops.FUSED_MSDA_ID])
+    with pytest.raises(ValueError, match="native library.*export.sampler=gather"):
         write_repository(path, tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
     assert main([str(path), str(tmp_path / "repo")]) == 2
+    with pytest.raises(ValueError, match="absolute path"):
+        write_repository(_fake_model(tmp_path, []), tmp_path / "repo", mount="models")
 
 
 def test_session_cache_opens_the_optimized_graph_and_survives_damage(tmp_path):
@@ -257,6 +291,8 @@ def test_fused_export_is_verified_and_named_in_the_manifest(fused_export):
     manifest, path = fused_export
     assert manifest.custom_ops == [custom_ops.FUSED_MSDA_ID]
     assert manifest.verification["passed"] is True
+    # the kernel that computed the operator in verification: native, where a compiler built it (as here, in CI)
+    assert manifest.verification["msda_kernel"] == ("native" if custom_ops.native_library() else "numba")
     assert json.loads(manifest_path(path).read_text())["custom_ops"] == [custom_ops.FUSED_MSDA_ID]
     nodes = onnx.load(str(path)).graph.node
     # one node per MSDA call; tiny: one encoder layer, one decoder layer with a location and a text branch
@@ -271,6 +307,8 @@ def test_predictor_registers_the_operator_and_matches_the_portable_graph(fused_e
     rng = np.random.default_rng(5)
     image = rng.integers(0, 255, (150, 210, 3), dtype=np.uint8)
     fused, portable = Predictor(fused_path, threads=2), Predictor(portable_path, threads=2)
+    # which kernel served it: native where setup.py built it, else numba
+    assert fused.metadata()["msda_kernel"] == custom_ops.kernel().name and portable.metadata()["msda_kernel"] is None
     a, b = (p.run([p.prepare(image)]) for p in (fused, portable))
     np.testing.assert_allclose(a["scores"], b["scores"], atol=1e-5)
     np.testing.assert_allclose(a["ctrl_points"], b["ctrl_points"], atol=1e-3)

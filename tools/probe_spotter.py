@@ -85,6 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="1: two probes side by side on 2 cores")
     ap.add_argument("--init", default="", help="start from these weights (a checkpoint or the float16 fixture)")
     ap.add_argument("--true-refs", action="store_true", help="the words' true boxes as the decoder's references")
+    ap.add_argument("--eval-count", type=int, default=0,
+                    help="at the end, the text evaluator on this many validation pictures (seed 2; 0: none)")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
 
@@ -144,6 +146,18 @@ def main(argv=None) -> int:
                 print(row, flush=True)
                 sums = {}
     result = {"steps": step, **reference_placement(model, mapper, records[:60], truth)}
+    if args.eval_count:  # what the probe's weights read on pictures it never trained on
+        from d2export.charset import charset
+        from train_spotter import evaluate
+
+        folder = Path(f"{args.data}_validation_{args.eval_count}")
+        if not (folder / "annotations.json").is_file():
+            generate("text", folder, count=args.eval_count, seed=2, size=parse_size(args.size))
+        register("probe_validation", folder)
+        post = {"charset": "".join(charset(int(cfg.MODEL.TRANSFORMER.VOC_SIZE))), "text_decoding": "slots"}
+        result["validation"], result["sweep"] = evaluate(model, DatasetCatalog.get("probe_validation"),
+                                                         DatasetMapperWithBasis(cfg, is_train=False),
+                                                         "probe_validation", post)
     (out / "result.json").write_text(json.dumps(result) + "\n")
     print(result)
     return 0

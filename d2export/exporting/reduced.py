@@ -34,7 +34,7 @@ def verify(path: Path, output_names: Sequence[str], cases: Sequence[verify_mod.C
         if pinned:
             summary = verify_mod.reduced_summary(pinning.with_pinned(results, pinned), agreements, tol)
             summary["pinned"] = [p.to_dict() for p in pinned]
-    summary |= sessions.ran_on(session)
+    summary |= sessions.ran_on(session, path)
     at_cut = sum(c.get("at_cut", 0) for c in summary["cases"] if c["output"] == "scores")
     log.info("%s verification (top-%d agreement %.2f; %d detection(s) came and went at the lists' cut):\n%s",
              tol.precision, tol.top_k, summary["top_k_agreement"], at_cut,

@@ -1,27 +1,42 @@
 """d2export's custom onnxruntime operators, and registering them with a session that needs them.
 
 A graph exported with `export.sampler=fused` holds one `d2export.MultiScaleDeformableAttention` node per MSDA call
-(inputs value, spatial_shapes, level_start_index, sampling_locations, attention_weights; output [N, Lq, M*D]),
-computed on the CPU by a compiled kernel (`msda_kernel`, numba) that onnxruntime-extensions hands to onnxruntime.
-The manifest lists the operators a graph needs (`custom_ops`); `register` makes a SessionOptions able to run them.
-Both packages come with the `fused` extra; without them, one clear error says so. Imports neither torch nor
-onnxruntime-extensions until a graph needs it.
+(inputs value, spatial_shapes, level_start_index, sampling_locations, attention_weights; output [N, Lq, M*D]). Two
+kernels compute it on the CPU, the same way:
+- "native": a C++ custom-op library (d2export/runtime/native) that setup.py builds beside this module where a compiler
+  exists; onnxruntime loads it and runs it on the session's own intra-op threads;
+- "numba": a compiled numba kernel (`msda_kernel`) that onnxruntime-extensions hands to onnxruntime (the `fused` extra).
+The native one serves where it is built, numba otherwise; `D2EXPORT_MSDA_KERNEL=native|numba` forces one (tests,
+benchmarks). The manifest lists the operators a graph needs (`custom_ops`); `register` makes a SessionOptions able to
+run them; `kernel` says which kernel that is. Imports neither torch nor onnxruntime-extensions until a graph needs
+the numba kernel; without either kernel, one clear error says what to install.
 """
 from __future__ import annotations
 
+import importlib.machinery
+import os
 import sys
 import threading
-from typing import Any, Iterable
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple
 
 DOMAIN = "d2export"
 FUSED_MSDA = "MultiScaleDeformableAttention"
 FUSED_MSDA_ID = f"{DOMAIN}.{FUSED_MSDA}"  # how the manifest names it
 KNOWN = (FUSED_MSDA_ID,)
 EXTRA_HINT = "pip install 'd2export[fused]'"
+KERNEL_ENV = "D2EXPORT_MSDA_KERNEL"
+KERNELS = ("native", "numba")
+NATIVE_NAME = "_msda_native"  # setup.py's Extension d2export.runtime._msda_native
 
 
 class MissingExtra(RuntimeError):
     """A graph needs a custom operator whose packages are not installed."""
+
+
+class Kernel(NamedTuple):
+    name: str  # "native" or "numba"
+    library: str  # the custom-op library onnxruntime loads for it
 
 
 _SPINNING = "session.intra_op.allow_spinning"
@@ -32,10 +47,11 @@ _threads = 0  # numba threads for the kernel: the largest intra-op count asked f
 
 def register(options, ops: Iterable[str]):
     """Make onnxruntime `SessionOptions` able to run `ops` (names as the manifest lists them); returns `options`.
-    Nothing happens for a graph that needs none. The kernel uses `options.intra_op_num_threads` threads, and
-    onnxruntime's own threads stop spin-waiting between nodes unless the options say otherwise: the kernel runs on
-    threads of its own, which spinning pool threads would take the cores from (measured: a fused TESTR image 7-10%
-    faster on 2 cores; the default graph, which has no such node, is left spinning)."""
+    Nothing happens for a graph that needs none. The kernel (see `kernel`) uses `options.intra_op_num_threads`
+    threads. For the numba kernel, onnxruntime's own threads also stop spin-waiting between nodes unless the options
+    say otherwise: that kernel runs on threads of its own, which spinning pool threads would take the cores from
+    (measured: a fused TESTR image 7-10% faster on 2 cores). The native kernel runs on the pool's threads themselves,
+    so spinning is left as it is (as for the default graph, which has no such node)."""
     global _threads
     ops = list(dict.fromkeys(ops))
     if not ops:
@@ -44,15 +60,44 @@ def register(options, ops: Iterable[str]):
     if unknown:
         raise ValueError(f"the model needs custom operator(s) {', '.join(unknown)}, which this d2export does not "
                          f"provide (it has {', '.join(KNOWN)}): upgrade d2export")
-    with _lock:
-        library = _define()
-        _threads = max(_threads, int(options.intra_op_num_threads or 0))
-    options.register_custom_ops_library(library)
-    try:
-        options.get_session_config_entry(_SPINNING)
-    except RuntimeError:  # not set by the caller
-        options.add_session_config_entry(_SPINNING, "0")
+    chosen = kernel()
+    options.register_custom_ops_library(chosen.library)
+    if chosen.name == "numba":
+        with _lock:
+            _threads = max(_threads, int(options.intra_op_num_threads or 0))
+        try:
+            options.get_session_config_entry(_SPINNING)
+        except RuntimeError:  # not set by the caller
+            options.add_session_config_entry(_SPINNING, "0")
     return options
+
+
+def kernel() -> Kernel:
+    """The kernel `register` gives the fused MSDA operator here: native where its library is built, numba otherwise,
+    or the one `D2EXPORT_MSDA_KERNEL` names. Declares the numba kernel to onnxruntime-extensions when it is the one
+    (MissingExtra if neither kernel is installed)."""
+    forced = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if forced and forced not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}={forced!r}: expected one of {', '.join(KERNELS)} (or unset: native where "
+                         "it is built, else numba)")
+    native = native_library()
+    if forced == "native" and native is None:
+        raise MissingExtra(f"{KERNEL_ENV}=native, but d2export's native MSDA library is not built (no "
+                           f"{NATIVE_NAME}* library in {Path(__file__).parent}): reinstall d2export where a C++ "
+                           "compiler exists (pip install -e .), or unset it for the numba kernel")
+    if native is not None and forced != "numba":
+        return Kernel("native", native)
+    with _lock:
+        return Kernel("numba", _define(native_built=native is not None))
+
+
+def native_library() -> str | None:
+    """The native MSDA library's path, where setup.py built it (beside this module), else None. The library does
+    not depend on Python's ABI, so a build under another Python's suffix serves too."""
+    here = Path(__file__).resolve().parent
+    exact = [here / f"{NATIVE_NAME}{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    others = sorted(here.glob(f"{NATIVE_NAME}*.so")) + sorted(here.glob(f"{NATIVE_NAME}*.pyd"))
+    return next((str(p) for p in exact + others if p.is_file()), None)
 
 
 def file_ops(path) -> list[str]:
@@ -75,7 +120,7 @@ def _all_nodes(graph):
                 yield from _all_nodes(sub)
 
 
-def _define() -> str:
+def _define(native_built: bool = False) -> str:
     """Declare the operator to onnxruntime-extensions once; the path of its custom-op library."""
     if "library" in _defined:
         return _defined["library"]
@@ -84,8 +129,9 @@ def _define() -> str:
         ortx = _import_extensions()
         from onnxruntime_extensions import PyCustomOpDef, onnx_op
     except ImportError as e:
+        native = "" if native_built else " (or reinstall d2export where a C++ compiler exists, for its native kernel)"
         raise MissingExtra(f"this model uses d2export's fused MSDA operator ({FUSED_MSDA_ID}), which needs the "
-                           f"'fused' extra ({e.name} is not installed): {EXTRA_HINT}") from None
+                           f"'fused' extra ({e.name} is not installed): {EXTRA_HINT}{native}") from None
     from d2export.runtime import msda_kernel
 
     def fused_msda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):

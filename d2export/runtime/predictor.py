@@ -176,6 +176,9 @@ class Predictor(Processing):
         options.log_severity_level = 3
         try:
             custom_ops.register(options, self.manifest.custom_ops)
+            # which kernel serves the fused MSDA operator, for metadata(): "native" or "numba" (None: not in the graph)
+            fused = custom_ops.FUSED_MSDA_ID in self.manifest.custom_ops
+            self.msda_kernel = custom_ops.kernel().name if fused else None
         except custom_ops.MissingExtra as e:
             raise ProviderUnavailable(str(e)) from None
         self.providers = resolve_providers(providers)
@@ -241,7 +244,7 @@ class Predictor(Processing):
     def metadata(self) -> dict[str, Any]:
         m = self.manifest
         return {"model": self.model_path.name, "family": m.family, "sha256": m.sha256, "opset": m.opset,
-                "exporter": m.exporter, "sampler": m.sampler, "precision": m.precision,
+                "exporter": m.exporter, "sampler": m.sampler, "precision": m.precision, "msda_kernel": self.msda_kernel,
                 "providers": self.session.get_providers(),  # what the session runs on, not what was asked
                 "provider_options": self.session.get_provider_options(),
                 "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],

@@ -3,6 +3,8 @@
     <repo>/<name>/config.pbtxt
     <repo>/<name>/1/model.onnx               (hard-linked where possible, else copied)
     <repo>/<name>/1/model.manifest.json      (for clients: pre- and post-processing stay with them)
+    <repo>/<name>/libd2export_msda.so        (a fused graph only: d2export's native operator library, which the
+                                              config names in model_operations for the onnxruntime backend to load)
 
 With `--pictures`, also a model that takes encoded pictures and answers instances, as an ensemble:
 
@@ -61,11 +63,13 @@ def _model_config(name: str, header: list[str], batch: int, inputs: list[TensorS
 
 
 def config_text(manifest: Manifest, name: str, max_batch_size: int = 8, queue_delay_us: int = 2000,
-                instances: int = 1, kind: str = "KIND_CPU", tensorrt: bool = False) -> str:
-    """config.pbtxt for the onnxruntime backend."""
+                instances: int = 1, kind: str = "KIND_CPU", tensorrt: bool = False, op_library: str = "") -> str:
+    """config.pbtxt for the onnxruntime backend; `op_library`: the custom-op library's path as the server sees it."""
     batch = max_batch_size if batchable(manifest) else 0
     lines = _model_config(name, ['backend: "onnxruntime"', f'default_model_filename: "{manifest.model_file}"'],
                           batch, manifest.inputs, manifest.outputs, queue_delay_us, instances, kind)
+    if op_library:  # the backend hands it to onnxruntime (RegisterCustomOpsLibrary) when it loads the model
+        lines.append(f'model_operations {{\n  op_library_filename: "{op_library}"\n}}')
     if tensorrt:
         lines.append('optimization {\n  execution_accelerators {\n    gpu_execution_accelerator [\n'
                      '      { name: "tensorrt" }\n    ]\n  }\n}')
@@ -138,18 +142,42 @@ def write_picture_models(model_path: str | os.PathLike, repo: str | os.PathLike,
     return folders
 
 
+OP_LIBRARY = "libd2export_msda.so"  # the native operator library's name in a model's folder
+
+
+def operator_library(manifest: Manifest, model_path: Path) -> str | None:
+    """The native custom-op library a model's graph needs in Triton (None: it needs none), or a ValueError saying
+    why it cannot be had here: Triton's onnxruntime backend loads C libraries, not d2export's numba kernel."""
+    from d2export.runtime import custom_ops
+
+    if not manifest.custom_ops:
+        return None
+    unknown = [op for op in manifest.custom_ops if op not in custom_ops.KNOWN]
+    library = custom_ops.native_library()
+    if unknown or library is None:
+        why = (f"this d2export does not provide {', '.join(unknown)}" if unknown else
+               "d2export's native operator library is not built here (reinstall d2export where a C++ compiler "
+               "exists: pip install -e .)")
+        raise ValueError(f"{model_path} uses custom operator(s) {', '.join(manifest.custom_ops)}, which Triton's "
+                         f"onnxruntime backend can load only as a native library, and {why}; or export with "
+                         "export.sampler=gather for Triton")
+    return library
+
+
 def write_repository(model_path: str | os.PathLike, repo: str | os.PathLike, name: str | None = None,
-                     version: int = 1, **config: Any) -> Path:
-    """Writes (or refreshes) `<repo>/<name>/`; returns that folder. `config`: as config_text's keywords."""
+                     version: int = 1, mount: str | None = None, **config: Any) -> Path:
+    """Writes (or refreshes) `<repo>/<name>/`; returns that folder. A fused graph gets d2export's native operator
+    library beside its config, named there by its path on the server: `<mount>/<name>/libd2export_msda.so`, where
+    `mount` is where the server sees the repository (default: the repository's absolute path here). `config`: as
+    config_text's keywords."""
     model_path = Path(model_path)
     manifest = Manifest.read(manifest_path(model_path))
-    if manifest.custom_ops:
-        raise ValueError(f"{model_path} uses d2export's custom operator(s) {', '.join(manifest.custom_ops)}, which run "
-                         "only in a Python onnxruntime session (d2export serve / Predictor), not in Triton's "
-                         "onnxruntime backend: export with export.sampler=gather for Triton")
+    library = operator_library(manifest, model_path)  # checked before anything is written
     name = name or model_path.stem
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
         raise ValueError(f"model name {name!r}: use letters, digits, '_', '-', '.'")
+    if mount is not None and not mount.startswith("/"):
+        raise ValueError(f"--mount {mount!r}: the repository's absolute path on the server (e.g. /models)")
     folder = Path(repo) / name
     version_dir = folder / str(version)
     version_dir.mkdir(parents=True, exist_ok=True)
@@ -160,6 +188,10 @@ def write_repository(model_path: str | os.PathLike, repo: str | os.PathLike, nam
     except OSError:
         shutil.copyfile(model_path, target)
     shutil.copyfile(manifest_path(model_path), manifest_path(target))
+    if library:
+        shutil.copyfile(library, folder / OP_LIBRARY)
+        root = mount.rstrip("/") if mount is not None else str(Path(repo).resolve())
+        config["op_library"] = f"{root}/{name}/{OP_LIBRARY}"
     (folder / "config.pbtxt").write_text(config_text(manifest, name, **config))
     return folder
 
@@ -241,12 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=1, help="model instances per device")
     ap.add_argument("--gpu", action="store_true", help="instances on GPUs (KIND_GPU) instead of CPUs")
     ap.add_argument("--tensorrt", action="store_true", help="ask the onnxruntime backend for its TensorRT EP")
+    ap.add_argument("--mount", default=None,
+                    help="where the server sees the repository (e.g. /models in Triton's container): a fused graph's "
+                         "config names its operator library by that path (default: the repository's path here)")
     ap.add_argument("--pictures", action="store_true",
                     help="also <name>_pre/_post (Python backend: decoding, resizing, post-processing) and the "
                          "ensemble <name>_pictures: encoded picture bytes in, instances (JSON) out")
     args = ap.parse_args(argv)
     try:
-        folder = write_repository(args.model, args.repo, args.name, args.version,
+        folder = write_repository(args.model, args.repo, args.name, args.version, mount=args.mount,
                                   max_batch_size=args.max_batch_size, queue_delay_us=args.queue_delay_us,
                                   instances=args.instances, kind="KIND_GPU" if args.gpu or args.tensorrt else "KIND_CPU",
                                   tensorrt=args.tensorrt)

@@ -1,0 +1,315 @@
+// d2export's fused MSDA operator (d2export.MultiScaleDeformableAttention) as a native onnxruntime custom-op library.
+//
+// onnxruntime loads it with SessionOptions.register_custom_ops_library(path) (C++: RegisterCustomOpsLibrary) and
+// calls RegisterCustomOps. It computes what d2export/runtime/msda_kernel.py (numba) computes: exact bilinear sampling
+// with zero padding and align_corners=False, as Deformable-DETR's CUDA op; corners outside a level weigh 0; a point
+// whose whole footprint is outside (or NaN) contributes nothing; pixel coordinates in double, each output row
+// accumulated in float. Rows (image, query) run on the session's intra-op threads (KernelContext_ParallelFor), so the
+// library has no thread pool of its own and needs no Python.
+//
+// inputs  value [N, S, M, D] float, spatial_shapes [L, 2] int64 (H, W), level_start_index [L] int64,
+//         sampling_locations [N, Lq, M, L, P, 2] float (x, y in [0, 1]), attention_weights [N, Lq, M, L, P] float
+// output  [N, Lq, M * D] float
+#include <algorithm>
+#include <cmath>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ort_abi.h"
+
+namespace {
+
+// OrtCustomOp version 16: the lowest with CreateKernelV2/KernelComputeV2, whose OrtStatus returns carry a bad
+// input's message to the caller instead of crashing the process.
+constexpr uint32_t kOpVersion = 16;
+// OrtApi version 17 (onnxruntime 1.17): the lowest with KernelContext_ParallelFor, the newest entry used. On an older
+// runtime the library asks for 16 and computes on the calling thread alone.
+constexpr uint32_t kApiVersion = 17;
+
+const char* const kDomain = "d2export";
+const char* const kName = "MultiScaleDeformableAttention";
+
+// What RegisterCustomOps sets up once per process. The domain is shared by every SessionOptions the library is
+// registered with and never released: sessions may use it until the process ends.
+struct Runtime {
+  const OrtApi* api = nullptr;
+  bool parallel = false;  // KernelContext_ParallelFor is there
+  OrtCustomOpDomain* domain = nullptr;
+  std::string error;  // why `domain` is null
+};
+
+Runtime g_runtime;  // written once under std::call_once, before any session can create a kernel
+std::once_flag g_once;
+
+OrtStatus* fail(const OrtApi* api, const std::string& message) {
+  return ort::get<ort::CreateStatusFn>(api, ort::CreateStatus)(ORT_INVALID_ARGUMENT, message.c_str());
+}
+
+#define RETURN_IF_ERROR(expr)          \
+  do {                                 \
+    if (OrtStatus* status_ = (expr)) { \
+      return status_;                  \
+    }                                  \
+  } while (0)
+
+// The dimensions of a tensor input.
+OrtStatus* dims_of(const OrtApi* api, const OrtValue* value, std::vector<int64_t>& dims) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  RETURN_IF_ERROR(ort::get<ort::GetTensorTypeAndShapeFn>(api, ort::GetTensorTypeAndShape)(value, &info));
+  size_t count = 0;
+  OrtStatus* status = ort::get<ort::GetDimensionsCountFn>(api, ort::GetDimensionsCount)(info, &count);
+  if (!status) {
+    dims.assign(count, 0);
+    status = ort::get<ort::GetDimensionsFn>(api, ort::GetDimensions)(info, dims.data(), count);
+  }
+  ort::get<ort::ReleaseTensorTypeAndShapeInfoFn>(api, ort::ReleaseTensorTypeAndShapeInfo)(info);
+  return status;
+}
+
+// As Python prints a shape tuple, so that messages read as msda_kernel.msda's do.
+std::string shape_str(const std::vector<int64_t>& dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+struct Problem {
+  const float* value;      // [N * S, M * D]
+  const int64_t* shapes;   // [L, 2]
+  const int64_t* starts;   // [L]
+  const float* loc;        // [N * Lq * M * L * P * 2]
+  const float* attn;       // [N * Lq * M * L * P]
+  float* out;              // [N * Lq, M * D]
+  int64_t tokens, heads, dim, queries, levels, points;
+};
+
+// acc += w00 * a + w01 * b + w10 * c + w11 * d over n floats. The restrict pointers let the compiler vectorise along
+// D without run-time overlap checks (the output row never aliases value).
+inline void blend4(float* __restrict acc, const float* __restrict a, const float* __restrict b,
+                   const float* __restrict c, const float* __restrict d, float w00, float w01, float w10, float w11,
+                   int64_t n) {
+  for (int64_t k = 0; k < n; ++k) acc[k] += (w00 * a[k] + w01 * b[k]) + (w10 * c[k] + w11 * d[k]);
+}
+
+// Built for the default x86-64 target (the library may move between CPUs), the D loop would get 4-float SSE vectors
+// only; GCC and clang clone the row's code for AVX2 and AVX-512 and pick one when the library loads.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__)
+#define D2_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define D2_CLONES
+#endif
+
+// One output row: image row / Lq, query row % Lq, every head, level and point.
+D2_CLONES void compute_row(const Problem& p, int64_t row) {
+  const int64_t width_md = p.heads * p.dim;  // floats per token in value and per row in out
+  float* acc = p.out + row * width_md;
+  std::fill(acc, acc + width_md, 0.0f);
+  const float* image = p.value + (row / p.queries) * p.tokens * width_md;
+  for (int64_t h = 0; h < p.heads; ++h) {
+    float* acc_h = acc + h * p.dim;
+    const float* head = image + h * p.dim;
+    for (int64_t lv = 0; lv < p.levels; ++lv) {
+      const int64_t height = p.shapes[2 * lv], width = p.shapes[2 * lv + 1];
+      if (height == 0 || width == 0) continue;  // no pixels (a clamped read would leave the level)
+      const float* level = head + p.starts[lv] * width_md;
+      const int64_t first = ((row * p.heads + h) * p.levels + lv) * p.points;  // loc and attn: [row, M, L, P]
+      for (int64_t i = first; i < first + p.points; ++i) {
+        const double x = static_cast<double>(p.loc[2 * i]) * width - 0.5;
+        const double y = static_cast<double>(p.loc[2 * i + 1]) * height - 0.5;
+        if (!(x > -1.0 && y > -1.0 && x < width && y < height)) continue;  // every corner in the padding, or NaN
+        const double a = p.attn[i];
+        const double fx0 = std::floor(x), fy0 = std::floor(y);
+        const int64_t x0 = static_cast<int64_t>(fx0), y0 = static_cast<int64_t>(fy0);
+        double wx1 = x - fx0, wy1 = y - fy0, wx0 = 1.0 - wx1, wy0 = 1.0 - wy1;
+        // A corner outside the level weighs 0 and reads a clamped (valid) pixel instead: no branch per corner
+        // inside the D loop.
+        if (x0 < 0) wx0 = 0.0;
+        if (x0 + 1 >= width) wx1 = 0.0;
+        if (y0 < 0) wy0 = 0.0;
+        if (y0 + 1 >= height) wy1 = 0.0;
+        wy0 *= a;
+        wy1 *= a;
+        const int64_t left = std::max<int64_t>(x0, 0), right = std::min<int64_t>(x0 + 1, width - 1);
+        const int64_t top = std::max<int64_t>(y0, 0) * width, bottom = std::min<int64_t>(y0 + 1, height - 1) * width;
+        blend4(acc_h, level + (top + left) * width_md, level + (top + right) * width_md,
+               level + (bottom + left) * width_md, level + (bottom + right) * width_md,
+               static_cast<float>(wy0 * wx0), static_cast<float>(wy0 * wx1), static_cast<float>(wy1 * wx0),
+               static_cast<float>(wy1 * wx1), p.dim);
+      }
+    }
+  }
+}
+
+void row_task(void* data, size_t row) { compute_row(*static_cast<const Problem*>(data), static_cast<int64_t>(row)); }
+
+// Shapes checked as msda_kernel.msda checks them; an OrtStatus naming the problem, or nullptr. The level tables
+// (their contents) are read only once their shapes are known to match.
+OrtStatus* check(const OrtApi* api, const std::vector<int64_t>& value, const std::vector<int64_t>& shapes,
+                 const std::vector<int64_t>& starts, const std::vector<int64_t>& loc, const std::vector<int64_t>& attn,
+                 const int64_t* shape_data, const int64_t* start_data) {
+  if (value.size() != 4) return fail(api, "MSDA: value " + shape_str(value) + " is not [N, S, M, D]");
+  const bool attn_matches = attn.size() == 5 && loc.size() == 6 && std::equal(attn.begin(), attn.end(), loc.begin());
+  if (loc.size() != 6 || loc[5] != 2 || loc[0] != value[0] || loc[2] != value[2] || !attn_matches) {
+    return fail(api, "MSDA: sampling_locations " + shape_str(loc) + " / attention_weights " + shape_str(attn) +
+                         " do not match value " + shape_str(value) +
+                         " ([N, Lq, M, L, P, 2] / [N, Lq, M, L, P] expected)");
+  }
+  const int64_t levels = loc[3];
+  if (shapes != std::vector<int64_t>{levels, 2} || starts != std::vector<int64_t>{levels}) {
+    return fail(api, "MSDA: spatial_shapes " + shape_str(shapes) + " / level_start_index " + shape_str(starts) +
+                         " do not match " + std::to_string(levels) + " levels");
+  }
+  const int64_t tokens = value[1];
+  for (int64_t lv = 0; lv < levels; ++lv) {
+    const int64_t h = shape_data[2 * lv], w = shape_data[2 * lv + 1], start = start_data[lv];
+    // h * w <= tokens - start, asked by division so that no product of huge sizes can overflow
+    if (h < 0 || w < 0 || start < 0 || start > tokens || (h > 0 && w > (tokens - start) / h)) {
+      std::string levels_str = "[", starts_str = "[";
+      for (int64_t k = 0; k < levels; ++k) {
+        levels_str += (k ? ", [" : "[") + std::to_string(shape_data[2 * k]) + ", " +
+                      std::to_string(shape_data[2 * k + 1]) + "]";
+        starts_str += (k ? ", " : "") + std::to_string(start_data[k]);
+      }
+      if (h < 0 || w < 0 || start < 0) {
+        return fail(api, "MSDA: spatial_shapes " + levels_str + "] / level_start_index " + starts_str +
+                             "] hold a negative size or start");
+      }
+      return fail(api, "MSDA: the levels " + levels_str + "] need more tokens than value has (" +
+                           std::to_string(tokens) + ") from level_start_index " + starts_str + "]");
+    }
+  }
+  return nullptr;
+}
+
+OrtStatus* compute(const Runtime& rt, OrtKernelContext* context) {
+  const OrtApi* api = rt.api;
+  const OrtValue* inputs[5];
+  std::vector<int64_t> dims[5];
+  void* data[5];
+  for (size_t k = 0; k < 5; ++k) {
+    RETURN_IF_ERROR(ort::get<ort::KernelContext_GetInputFn>(api, ort::KernelContext_GetInput)(context, k, &inputs[k]));
+    RETURN_IF_ERROR(dims_of(api, inputs[k], dims[k]));
+    // Inputs are only read; the C API hands out their data through the one mutable getter that every version has.
+    RETURN_IF_ERROR(ort::get<ort::GetTensorMutableDataFn>(api, ort::GetTensorMutableData)(
+        const_cast<OrtValue*>(inputs[k]), &data[k]));
+  }
+  const auto& value = dims[0];
+  const auto& loc = dims[3];
+  const int64_t* shape_data = static_cast<const int64_t*>(data[1]);
+  const int64_t* start_data = static_cast<const int64_t*>(data[2]);
+  RETURN_IF_ERROR(check(api, value, dims[1], dims[2], loc, dims[4], shape_data, start_data));
+
+  const int64_t out_dims[3] = {value[0], loc[1], value[2] * value[3]};
+  OrtValue* output = nullptr;
+  RETURN_IF_ERROR(ort::get<ort::KernelContext_GetOutputFn>(api, ort::KernelContext_GetOutput)(context, 0, out_dims, 3,
+                                                                                              &output));
+  void* out_data = nullptr;
+  RETURN_IF_ERROR(ort::get<ort::GetTensorMutableDataFn>(api, ort::GetTensorMutableData)(output, &out_data));
+
+  Problem problem{static_cast<const float*>(data[0]), shape_data, start_data, static_cast<const float*>(data[3]),
+                  static_cast<const float*>(data[4]), static_cast<float*>(out_data), value[1], value[2], value[3],
+                  loc[1], loc[3], loc[4]};
+  const size_t rows = static_cast<size_t>(value[0] * loc[1]);
+  if (rows == 0 || out_dims[2] == 0) return nullptr;
+  if (rt.parallel) {
+    // num_batch 0: onnxruntime hands rows to its threads as they come free (rows cost alike, but threads do not
+    // run alike on a shared machine).
+    return ort::get<ort::KernelContext_ParallelForFn>(api, ort::KernelContext_ParallelFor)(context, row_task, rows, 0,
+                                                                                          &problem);
+  }
+  for (size_t row = 0; row < rows; ++row) row_task(&problem, row);
+  return nullptr;
+}
+
+// --- the OrtCustomOp callbacks ----------------------------------------------------------------------------------
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void** kernel) {
+  *kernel = &g_runtime;  // no state of its own: every kernel computes with the registered runtime
+  return nullptr;
+}
+
+OrtStatus* ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context) {
+  const Runtime& rt = *static_cast<const Runtime*>(kernel);
+  try {
+    return compute(rt, context);
+  } catch (const std::exception& e) {  // std::bad_alloc from a shape vector: nothing may unwind into onnxruntime
+    return ort::get<ort::CreateStatusFn>(rt.api, ort::CreateStatus)(ORT_FAIL, e.what());
+  }
+}
+
+void ORT_API_CALL destroy_kernel(void*) {}
+const char* ORT_API_CALL op_name(const OrtCustomOp*) { return kName; }
+const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return nullptr; }  // the CPU provider
+size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 5; }
+size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
+  return index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
+int ORT_API_CALL min_arity(const OrtCustomOp*) { return 1; }    // no variadic inputs or outputs: never asked
+int ORT_API_CALL homogeneous(const OrtCustomOp*) { return 1; }  // likewise
+
+OrtCustomOp make_op() {
+  OrtCustomOp op{};  // every field null, the later versions' ones included
+  op.version = kOpVersion;
+  op.GetName = op_name;
+  op.GetExecutionProviderType = op_provider;
+  op.GetInputType = input_type;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputType = output_type;
+  op.GetOutputTypeCount = output_count;
+  op.KernelDestroy = destroy_kernel;
+  op.GetInputCharacteristic = required;
+  op.GetOutputCharacteristic = required;
+  op.GetInputMemoryType = input_memory;
+  op.GetVariadicInputMinArity = min_arity;
+  op.GetVariadicInputHomogeneity = homogeneous;
+  op.GetVariadicOutputMinArity = min_arity;
+  op.GetVariadicOutputHomogeneity = homogeneous;
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute_kernel;
+  return op;
+}
+
+const OrtCustomOp g_op = make_op();
+
+void set_up(const OrtApiBase* base, Runtime& rt) {
+  rt.api = base->GetApi(kApiVersion);
+  rt.parallel = rt.api != nullptr;
+  if (!rt.api) rt.api = base->GetApi(kOpVersion);
+  if (!rt.api) return;
+  OrtCustomOpDomain* domain = nullptr;
+  OrtStatus* status = ort::get<ort::CreateCustomOpDomainFn>(rt.api, ort::CreateCustomOpDomain)(kDomain, &domain);
+  if (!status) status = ort::get<ort::CustomOpDomain_AddFn>(rt.api, ort::CustomOpDomain_Add)(domain, &g_op);
+  if (!status) {
+    rt.domain = domain;
+    return;
+  }
+  // Kept as text: every later registration answers with a status of its own.
+  rt.error = std::string("d2export MSDA: could not declare the operator: ") +
+             ort::get<ort::GetErrorMessageFn>(rt.api, ort::GetErrorMessage)(status);
+  ort::get<ort::ReleaseStatusFn>(rt.api, ort::ReleaseStatus)(status);
+  if (domain) ort::get<ort::ReleaseCustomOpDomainFn>(rt.api, ort::ReleaseCustomOpDomain)(domain);
+}
+
+}  // namespace
+
+extern "C" D2_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  std::call_once(g_once, set_up, base, std::ref(g_runtime));
+  if (!g_runtime.api) {
+    const std::string message = "d2export's MSDA library needs onnxruntime 1.16 or newer (C API version " +
+                                std::to_string(kOpVersion) + "); this is onnxruntime " + base->GetVersionString();
+    const OrtApi* oldest = base->GetApi(1);  // every runtime has version 1, and CreateStatus in it
+    return oldest ? ort::get<ort::CreateStatusFn>(oldest, ort::CreateStatus)(ORT_FAIL, message.c_str()) : nullptr;
+  }
+  if (!g_runtime.domain) return fail(g_runtime.api, g_runtime.error);
+  return ort::get<ort::AddCustomOpDomainFn>(g_runtime.api, ort::AddCustomOpDomain)(options, g_runtime.domain);
+}

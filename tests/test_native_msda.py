@@ -1,0 +1,206 @@
+"""The native fused MSDA kernel (d2export/runtime/native, built by setup.py where a C++ compiler exists): parity through
+a real onnxruntime session with the float64 reference and with the numba kernel, its errors, and how
+`custom_ops` chooses between the two kernels."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from d2export.runtime import custom_ops
+from d2export.runtime.msda_kernel import msda as numba_msda
+from msda_reference import edge_locations, msda_reference, random_msda_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
+TYPES = [TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT64, TensorProto.FLOAT, TensorProto.FLOAT]
+# Float32 accumulation against float64: a few 1e-7 of the output's scale (measured 1.4e-7); 1e-6 leaves room for
+# summation order and nothing more (a 1/100-pixel shift is far outside it: test_a_wrong_kernel_fails).
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def library() -> str:
+    """The built library. Skipped only where no compiler could have built it: with one, a missing library fails."""
+    path = custom_ops.native_library()
+    if path is None:
+        if shutil.which("c++") is None:
+            pytest.skip("no C++ compiler on this machine, so setup.py could not build the native MSDA library")
+        pytest.fail("a C++ compiler exists but the native MSDA library is not built (no d2export/runtime/"
+                    "_msda_native*.so): run `pip install --no-deps --no-build-isolation -e .`, which builds it")
+    return path
+
+
+def _model() -> bytes:
+    """One fused MSDA node; inputs of unknown rank, so that bad shapes reach the kernel's own checks."""
+    node = helper.make_node(custom_ops.FUSED_MSDA, NAMES, ["out"], domain=custom_ops.DOMAIN)
+    graph = helper.make_graph([node], "msda", [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, TYPES)],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(custom_ops.DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+MODEL = _model()
+
+
+def _session(options: ort.SessionOptions, threads: int = 1) -> ort.InferenceSession:
+    options.intra_op_num_threads = threads
+    return ort.InferenceSession(MODEL, options, providers=["CPUExecutionProvider"])
+
+
+def _native(library: str, threads: int = 1) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    return _session(options, threads)
+
+
+def _feed(args) -> dict[str, np.ndarray]:
+    return {n: np.ascontiguousarray(a.numpy() if hasattr(a, "numpy") else a) for n, a in zip(NAMES, args)}
+
+
+def assert_close(out: np.ndarray, want) -> None:
+    """|out - want| <= RTOL * (|want| + max|want|): relative per element, and relative to the output's scale where an
+    element is a near-cancelled sum."""
+    want = np.asarray(want, np.float64)
+    assert out.dtype == np.float32 and out.shape == want.shape, (out.dtype, out.shape, want.shape)
+    scale = float(np.abs(want).max())
+    err = np.abs(out.astype(np.float64) - want)
+    bad = err > RTOL * (np.abs(want) + scale)
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size} outputs off: worst {err.max():.3g} at scale {scale:.3g}"
+
+
+CASES = {  # level shapes (H, W), batch, queries, heads, dim, points
+    "3 non-square levels, batch 2, 3 heads, P=4": ([(6, 5), (3, 7), (2, 4)], 2, 9, 3, 8, 4),
+    "P=1, batch 3, odd D": ([(4, 7), (2, 3), (1, 5)], 3, 5, 2, 5, 1),
+    "Lq=1, 4 heads, D=32": ([(5, 3), (3, 2), (2, 2)], 2, 1, 4, 32, 4),
+    "1-pixel levels, one head": ([(1, 1), (2, 1), (1, 3)], 1, 6, 1, 3, 2),
+}
+# Locations planted outside every level (finite, beyond the padding's reach) and not finite at all.
+PLANTED = [(-0.7, 0.5), (1.6, 0.5), (0.5, -0.4), (0.5, 1.9), (40.0, -40.0), (np.nan, 0.5), (0.5, np.nan),
+           (np.inf, 0.5), (-np.inf, -np.inf)]
+
+
+def _inputs(shapes, n, lq, heads, dim, points, seed):
+    """Random inputs with locations in [-0.3, 1.3] plus PLANTED ones, and the float64 reference: the reference has no
+    notion of a non-finite location, so those points get weight 0 there (they contribute nothing)."""
+    args = [a.numpy().copy() for a in random_msda_inputs(shapes, n=n, lq=lq, heads=heads, dim=dim, points=points,
+                                                         lo=-0.3, hi=1.3, seed=seed)]
+    count = args[4].size
+    spots = np.random.default_rng(seed).choice(count, size=min(len(PLANTED), count // 2), replace=False)
+    args[3][np.unravel_index(spots, args[4].shape)] = PLANTED[:len(spots)]
+    finite = np.isfinite(args[3]).all(-1)
+    ref_args = [a.copy() for a in args]
+    ref_args[3][~finite] = 0.5
+    ref_args[4][~finite] = 0.0
+    return args, msda_reference(*map(torch.from_numpy, ref_args)).numpy()
+
+
+@pytest.mark.parametrize("seed, case", enumerate(CASES.values()), ids=CASES.keys())
+def test_native_matches_float64_reference_and_numba(library, seed, case):
+    args, ref = _inputs(*case, seed=seed)
+    assert np.abs(ref).max() > 0.1  # not a vacuous all-zero comparison
+    out = _native(library).run(None, _feed(args))[0]
+    assert_close(out, ref)
+    assert_close(out, numba_msda(*args))
+    # rows split over onnxruntime's threads (KernelContext_ParallelFor): each row computed alike, bit for bit
+    assert np.array_equal(out, _native(library, threads=2).run(None, _feed(args))[0])
+
+
+def test_native_at_pixel_edges_and_far_outside(library):
+    h, w = 3, 4
+    grid = edge_locations(h, w)
+    value, shapes, starts, _, _ = random_msda_inputs([(h, w)], n=1, heads=1, dim=3, points=1)
+    attn = np.random.default_rng(1).random((1, grid.shape[1], 1, 1, 1), np.float32)
+    args = [value.numpy(), shapes.numpy(), starts.numpy(), grid.numpy(), attn]
+    out = _native(library).run(None, _feed(args))[0]
+    assert_close(out, msda_reference(*map(torch.from_numpy, args)).numpy())
+
+
+def test_a_wrong_kernel_fails(library):
+    """The comparison has teeth: a kernel sampling 1/100 pixel off, or with x and y swapped, fails it."""
+    args, ref = _inputs(*CASES["3 non-square levels, batch 2, 3 heads, P=4"], seed=3)
+    session = _native(library)
+    shifted = [a.copy() for a in args]
+    widths = args[1][:, 1].astype(np.float32)  # per level, along the level axis of [N, Lq, M, L, P, 2]
+    shifted[3][..., 0] += 0.01 / widths[None, None, None, :, None]
+    swapped = [a.copy() for a in args]
+    swapped[3] = np.ascontiguousarray(args[3][..., ::-1])
+    for wrong in (shifted, swapped):
+        with pytest.raises(AssertionError, match="outputs off"):
+            assert_close(session.run(None, _feed(wrong))[0], ref)
+
+
+def test_bad_shapes_are_named_in_onnxruntime_errors(library):
+    args, _ = _inputs(*CASES["3 non-square levels, batch 2, 3 heads, P=4"], seed=4)
+    session = _native(library)
+    value, shapes, starts, loc, attn = args
+    bad_shapes = shapes.copy()
+    bad_shapes[1, 0] = -3
+    for bad, message in [
+        ((value[:, :20], shapes, starts, loc, attn), r"need more tokens than value has \(20\)"),
+        ((value, shapes, starts, loc, attn[..., :2]), r"attention_weights \(2, 9, 3, 3, 2\) do not match"),
+        ((value, shapes, starts, loc[:, :, :2], attn), "sampling_locations .* do not match value"),
+        ((value, shapes[:2], starts, loc, attn), r"spatial_shapes \(2, 2\) / level_start_index \(3,\) do not match 3"),
+        ((value[0], shapes, starts, loc, attn), r"value \(59, 3, 8\) is not \[N, S, M, D\]"),
+        ((value, bad_shapes, starts, loc, attn), "negative size or start"),
+    ]:
+        with pytest.raises(Exception, match=message) as raised:
+            session.run(None, _feed(bad))
+        assert "MultiScaleDeformableAttention" in str(raised.value)  # onnxruntime names the node that failed
+    assert np.isfinite(session.run(None, _feed(args))[0]).all()  # the session goes on serving
+
+
+def test_kernel_prefers_native_and_leaves_spinning(library, monkeypatch):
+    monkeypatch.delenv(custom_ops.KERNEL_ENV, raising=False)
+    assert custom_ops.kernel() == ("native", library)
+    assert Path(library).parent == ROOT / "d2export" / "runtime"
+    options = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+    with pytest.raises(RuntimeError):  # spinning left as onnxruntime has it: the kernel runs on the pool's threads
+        options.get_session_config_entry("session.intra_op.allow_spinning")
+    args, ref = _inputs(*CASES["P=1, batch 3, odd D"], seed=5)
+    native = _session(options).run(None, _feed(args))[0]
+    assert_close(native, ref)
+    assert np.array_equal(native, _native(library).run(None, _feed(args))[0])
+
+
+def test_environment_forces_numba_and_refuses_nonsense(library, monkeypatch):
+    monkeypatch.setenv(custom_ops.KERNEL_ENV, "numba")
+    assert custom_ops.kernel().name == "numba"
+    options = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"  # numba's own threads
+    args, _ = _inputs(*CASES["Lq=1, 4 heads, D=32"], seed=6)
+    assert np.array_equal(_session(options).run(None, _feed(args))[0], numba_msda(*args))  # the numba kernel itself
+
+    monkeypatch.setenv(custom_ops.KERNEL_ENV, "Native")
+    assert custom_ops.kernel() == ("native", library)
+    monkeypatch.setenv(custom_ops.KERNEL_ENV, "cuda")
+    with pytest.raises(ValueError, match=f"{custom_ops.KERNEL_ENV}='cuda': expected one of native, numba"):
+        custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+    monkeypatch.setenv(custom_ops.KERNEL_ENV, "native")
+    monkeypatch.setattr(custom_ops, "native_library", lambda: None)  # as where no compiler built it
+    with pytest.raises(custom_ops.MissingExtra, match="native MSDA library is not built"):
+        custom_ops.kernel()
+
+
+_NATIVE_ALONE = """
+import sys
+from d2export.runtime import custom_ops
+import onnxruntime as ort
+options = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+assert custom_ops.kernel().name == "native"
+loaded = {"torch", "numba", "onnxruntime_extensions"} & set(sys.modules)
+assert not loaded, loaded
+print("ok")
+"""
+
+
+def test_native_kernel_loads_no_python_kernel_packages(library):
+    env = {k: v for k, v in os.environ.items() if k != custom_ops.KERNEL_ENV} | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _NATIVE_ALONE], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
