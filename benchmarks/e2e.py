@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from d2export.cli import parser
+from d2export.runtime import custom_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 EAGER = "eager PyTorch (per-level grid_sample)"
@@ -98,15 +99,16 @@ def session_options(threads: int, profile_prefix: str | None = None):
     return opts
 
 
-def open_session(path: Path, threads: int, profile_prefix: str | None = None, cache: bool = True):
-    """A session as the runtime opens one (custom operators registered, the optimized-model cache unless
-    cache=False or profiling); returns it and the seconds it took."""
+def open_session(path: Path, threads: int, profile_prefix: str | None = None, cache: bool = True,
+                 kernel: str | None = None):
+    """A session as the runtime opens one (custom operators registered, with the fused operator's `kernel` if one
+    is named; the optimized-model cache unless cache=False or profiling); returns it and the seconds it took."""
     import onnxruntime as ort
 
-    from d2export.runtime import custom_ops
     from d2export.runtime.session_cache import create_session
 
-    options = custom_ops.register(session_options(threads, profile_prefix), custom_ops.file_ops(path))
+    with custom_ops.forcing(kernel):
+        options = custom_ops.register(session_options(threads, profile_prefix), custom_ops.file_ops(path))
     start = time.perf_counter()
     if cache and not profile_prefix:
         session = create_session(path, options, ["CPUExecutionProvider"])
@@ -148,7 +150,7 @@ def parity(names, reference, outputs) -> dict:
 
 
 # --- profile --------------------------------------------------------------------------------------------------
-def profile(path: Path, feed: dict, threads: int, runs: int, tmp: Path) -> dict:
+def profile(path: Path, feed: dict, threads: int, runs: int, tmp: Path, kernel: str | None = None) -> dict:
     """Per op type and per node: ms per run over `runs` warm runs; the MSDA cores' share."""
     import onnx
 
@@ -157,7 +159,7 @@ def profile(path: Path, feed: dict, threads: int, runs: int, tmp: Path) -> dict:
     graph = onnx.load(str(path), load_external_data=False).graph
     scopes = msda_scopes(graph)
     scope_of = {n.name: node_scope(n) for n in graph.node}
-    session, _ = open_session(path, threads, str(tmp / "ort_profile"))
+    session, _ = open_session(path, threads, str(tmp / "ort_profile"), kernel=kernel)
     for _ in range(2):  # warm-up, left out below: onnxruntime's arena still grows during the second run
         session.run(None, feed)
     for _ in range(runs):
@@ -279,10 +281,12 @@ def _measure_child(config: str, runner: str, size: int, threads: int, runs: int)
                       "peak_rss_gb": peak_rss_gb()}))
 
 
-def measure_in_child(config: str, runner: str, size: int, threads: int, runs: int) -> dict:
+def measure_in_child(config: str, runner: str, size: int, threads: int, runs: int, kernel: str | None = None) -> dict:
+
     cmd = [sys.executable, "-m", "benchmarks.e2e", "--measure-child", config, runner, str(size), str(threads),
            str(runs)]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    with custom_ops.forcing(kernel):  # the child inherits it
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         return {"ms": float("nan"), "peak_rss_gb": float("nan"), "error": done.stderr.strip().splitlines()[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -376,6 +380,9 @@ def main(argv=None):
         exports[name] = info | {"path": path}
         print(f"{name:24s} {info['nodes']:6d} {info['export_s']:9.1f} {info['peak_rss_gb']:12.2f} "
               f"{info['plain_s']:20.1f} {info['first_s']:6.1f} {info['session_s']:7.1f}")
+        if sampler == "fused" and custom_ops.kernel().name == "native":  # the same graph on the fallback kernel
+            sessions[f"{name} (numba kernel)"], _ = open_session(path, args.threads, kernel="numba")
+            exports[f"{name} (numba kernel)"] = {"path": path, "kernel": "numba"}
 
     # the eager model, as a user runs it: MSDA swapped for the core, which eagerly is per-level grid_sample
     from d2export import config as config_mod, pipeline
@@ -423,7 +430,8 @@ def main(argv=None):
         where = {EAGER: "eager"} | {name: str(exports[name]["path"]) for name in sessions}
         for size in args.sizes:
             for name in rows:
-                rows[name][size] = measure_in_child(args.config, where[name], size, args.threads, args.size_runs)
+                rows[name][size] = measure_in_child(args.config, where[name], size, args.threads, args.size_runs,
+                                                    exports.get(name, {}).get("kernel"))
         print(f"\n## per image size: ms per image (median of {args.size_runs} after a warm-up) and the peak RSS of "
               f"a fresh process that loads the model and runs it (load average now {os.getloadavg()[0]:.1f})")
         print(f"{'runner':40s} " + " ".join(f"{f'{s}² ms':>9s} {'GB':>5s}" for s in args.sizes))
@@ -441,8 +449,8 @@ def main(argv=None):
     if args.profile_runs < 1:
         print("\n(no onnxruntime profile: --profile-runs 0)")
     else:
-        profiles = {name: profile(exports[name]["path"], feed, args.threads, args.profile_runs, out)
-                    for name in sessions}
+        profiles = {name: profile(exports[name]["path"], feed, args.threads, args.profile_runs, out,
+                                  exports[name].get("kernel")) for name in sessions}
         print_profiles(profiles)
         print_profile(first, profiles[first], args.profile_runs)
 
@@ -477,7 +485,7 @@ def int8_sessions(modes, exports: dict, built, out: Path, threads: int, size: in
         return built.adapter.graph_inputs([np.ascontiguousarray(chw)])
 
     found = {}
-    for name, info in list(exports.items()):
+    for name, info in [(n, i) for n, i in exports.items() if "kernel" not in i]:  # each graph once
         for mode in modes:
             path = out / f"{info['path'].stem}_int8_{mode}.onnx"
             pictures = int8.Pictures(int8.calibration_files(str(folder), 8), feeds) if mode == "static" else None

@@ -174,16 +174,8 @@ def build_runner(name, inputs, threads):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
-    kernel = {FUSED: "native", FUSED_NUMBA: "numba"}.get(name)
-    before = os.environ.get(custom_ops.KERNEL_ENV)
-    if kernel:
-        os.environ[custom_ops.KERNEL_ENV] = kernel
-    try:
+    with custom_ops.forcing({FUSED: "native", FUSED_NUMBA: "numba"}.get(name)):
         custom_ops.register(opts, custom_ops.graph_ops(__import__("onnx").load_from_string(buf.getvalue())))
-    finally:
-        os.environ.pop(custom_ops.KERNEL_ENV, None)
-        if before is not None:
-            os.environ[custom_ops.KERNEL_ENV] = before
     session = ort.InferenceSession(buf.getvalue(), opts, providers=["CPUExecutionProvider"])
     used = {i.name for i in session.get_inputs()}  # the reference bakes the level sizes: its graph drops them
     feed = {k: v.numpy() for k, v in zip(NAMES, inputs) if k in used}

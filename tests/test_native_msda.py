@@ -188,6 +188,19 @@ def test_environment_forces_numba_and_refuses_nonsense(library, monkeypatch):
         custom_ops.kernel()
 
 
+def test_forcing_names_the_kernel_for_a_block_and_restores_the_environment(library, monkeypatch):
+    monkeypatch.setenv(custom_ops.KERNEL_ENV, "native")
+    with custom_ops.forcing("numba"):
+        assert custom_ops.kernel().name == "numba"
+    assert os.environ[custom_ops.KERNEL_ENV] == "native"
+    monkeypatch.delenv(custom_ops.KERNEL_ENV)
+    with custom_ops.forcing(None):
+        assert custom_ops.kernel().name == "native"
+    with pytest.raises(RuntimeError), custom_ops.forcing("numba"):
+        raise RuntimeError("the block failed")
+    assert custom_ops.KERNEL_ENV not in os.environ
+
+
 _NATIVE_ALONE = """
 import sys
 from d2export.runtime import custom_ops

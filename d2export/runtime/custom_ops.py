@@ -13,6 +13,7 @@ the numba kernel; without either kernel, one clear error says what to install.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import os
 import sys
@@ -89,6 +90,21 @@ def kernel() -> Kernel:
         return Kernel("native", native)
     with _lock:
         return Kernel("numba", _define(native_built=native is not None))
+
+
+@contextlib.contextmanager
+def forcing(name: str | None):
+    """Within the block, `register` gives the operator the kernel `name` ("native", "numba"; None: the default):
+    what D2EXPORT_MSDA_KERNEL says, for benchmarks that time both kernels in one process."""
+    before = os.environ.pop(KERNEL_ENV, None)
+    if name:
+        os.environ[KERNEL_ENV] = name
+    try:
+        yield
+    finally:
+        os.environ.pop(KERNEL_ENV, None)
+        if before is not None:
+            os.environ[KERNEL_ENV] = before
 
 
 def native_library() -> str | None:
