@@ -29,9 +29,8 @@ def ran_on(session, path: Path) -> dict:
     """The providers a verification really ran on, with their options, and for a fused graph the kernel that
     computed its operator ("native" or "numba"): what a server must use to serve the same."""
     ran = {"providers": session.get_providers(), "provider_options": session.get_provider_options()}
-    if custom_ops.FUSED_MSDA_ID in custom_ops.file_ops(path):
-        ran["msda_kernel"] = custom_ops.kernel().name
-    return ran
+    kernel = custom_ops.serving_kernel(custom_ops.file_ops(path))
+    return ran | ({"msda_kernel": kernel} if kernel else {})
 
 
 def near_ties_lines(path: Path, cases, results, precision: str) -> str:

@@ -92,6 +92,12 @@ def kernel() -> Kernel:
         return Kernel("numba", _define(native_built=native is not None))
 
 
+def serving_kernel(ops: Iterable[str]) -> str | None:
+    """The kernel ("native" or "numba") that serves the fused operator among `ops` (as the manifest lists them);
+    None when they hold none."""
+    return kernel().name if FUSED_MSDA_ID in ops else None
+
+
 @contextlib.contextmanager
 def forcing(name: str | None):
     """Within the block, `register` gives the operator the kernel `name` ("native", "numba"; None: the default):

@@ -176,9 +176,7 @@ class Predictor(Processing):
         options.log_severity_level = 3
         try:
             custom_ops.register(options, self.manifest.custom_ops)
-            # which kernel serves the fused MSDA operator, for metadata(): "native" or "numba" (None: not in the graph)
-            fused = custom_ops.FUSED_MSDA_ID in self.manifest.custom_ops
-            self.msda_kernel = custom_ops.kernel().name if fused else None
+            self.msda_kernel = custom_ops.serving_kernel(self.manifest.custom_ops)  # for metadata()
         except custom_ops.MissingExtra as e:
             raise ProviderUnavailable(str(e)) from None
         self.providers = resolve_providers(providers)
