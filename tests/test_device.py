@@ -53,3 +53,24 @@ def test_a_cuda_export_is_the_cpu_graph(tmp_path):
         graphs[device] = onnx.load(str(tmp_path / device / manifest.model_file)).graph
     assert [n.op_type for n in graphs["cuda"].node] == [n.op_type for n in graphs["cpu"].node]
     assert not any("cuda" in str(a).lower() for n in graphs["cuda"].node for a in n.attribute)
+
+
+def test_evaluate_runs_the_pytorch_column_without_tf32(monkeypatch):
+    """The column every graph is compared with is float32 on CUDA too (cuDNN's TF32 default moved 52 of 300 box
+    fixture pictures on an H200), and the user's setting is back afterwards."""
+    import detectron2.evaluation
+    from detectron2.evaluation import DatasetEvaluator
+
+    from d2export.evaluating import runs
+
+    seen = []
+    monkeypatch.setattr(detectron2.evaluation, "inference_on_dataset", lambda model, data, evaluator: seen.append(
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)) or {})
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        runs.pytorch_run(torch.nn.Identity(), [], DatasetEvaluator(), pre={}, post={})
+        assert seen == [(False, False)]
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (True, True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

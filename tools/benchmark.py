@@ -12,6 +12,7 @@ SUBCOMMANDS = {  # subcommand -> ("module:function", one line)
     "e2e": ("benchmarks.e2e:main", "the whole exported model against eager PyTorch: time, parity, float16"),
     "serve": ("benchmarks.serve:main", "the runtime: direct calls, HTTP, HTTP with batching"),
     "batch": ("benchmarks.batch:main", "infer against batch (Ray Data actors x threads): pictures/s"),
+    "gpu": ("benchmarks.gpu:main", "on an NVIDIA GPU: eager (compiled kernel, plugin) against onnxruntime CUDA"),
 }
 
 

@@ -1,0 +1,355 @@
+"""GPU benchmark: the text spotter on one NVIDIA GPU, eager PyTorch against onnxruntime's CUDA provider.
+
+    python tools/benchmark.py gpu [--config textdet] [--model GRAPH.onnx] [--size 640] [--batches 1 8]
+        [--rounds 20] [--upstream-msda DIR] [--out DIR] [--json FILE]
+
+Rows, each at every batch size (the same pictures, --size², in every row):
+- eager PyTorch with the compiled MSDA kernel the user has (--upstream-msda: a folder holding Deformable-DETR's
+  `src/` — vision.cpp, cpu/, cuda/ — built here with torch's cpp_extension for this GPU only), the model's own
+  forward (`plugin.swap_msda=false`) calling it through the configured `plugin.compiled_ops` names;
+- eager PyTorch with the plugin (MSDA swapped for d2export's core, as `d2export export` builds it);
+- onnxruntime's CUDA provider on the float32 graph and on its float16 copy, each fed from the host (`run`, as the
+  Predictor does) and with IO binding (inputs and outputs stay on the GPU), TF32 off as verified.
+For each: GPU time (CUDA events around the call; for onnxruntime, the sum of its kernels in a profiled run), wall time
+per call and per picture (medians, warm), peak GPU memory (PyTorch: its allocator's peak; onnxruntime: what the process
+holds on the GPU beyond what it held before the session, read through NVML), and, for the graphs, the nodes
+onnxruntime placed on the CPU and the host<->device copies it inserted (Memcpy nodes run per call), from its profile.
+Then parity at batch 1: the CUDA provider's float32 outputs, slot by slot, against the same graph on the CPU provider
+(the graph `d2export export` verified). TF32 is off everywhere (its 10-bit mantissa reorders near-tied proposals).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import gc
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from d2export.cli import parser
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- the compiled kernel a user has ---------------------------------------------------------------------------
+# what current torch no longer compiles in Deformable-DETR's 2020 sources, and what users change it to
+_TORCH2_FIXES = ((re.compile(r"(\w+)\.type\(\)\.is_cuda\(\)"), r"\1.is_cuda()"),
+                 (re.compile(r"(AT_DISPATCH_\w+\(\s*\w+)\.type\(\)"), r"\1.scalar_type()"))
+
+
+def torch2_sources(src: Path, dest: Path) -> list[Path]:
+    """A copy of the extension's sources under `dest`, with the two changes torch 2 needs (`x.type().is_cuda()` and
+    dispatch on `x.type()` are gone); returns the files to compile."""
+    files = []
+    for path in sorted(p for p in src.rglob("*") if p.suffix in (".cpp", ".cu", ".h", ".cuh")):
+        text = path.read_text()
+        for pattern, replacement in _TORCH2_FIXES:
+            text = pattern.sub(replacement, text)
+        target = dest / path.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+        if path.suffix in (".cpp", ".cu"):
+            files.append(target)
+    return files
+
+
+def build_upstream(folder: Path, build_dir: Path):
+    """Deformable-DETR's MSDA extension (`MultiScaleDeformableAttention`), built for this GPU's architecture only."""
+    import torch
+    from torch.utils.cpp_extension import load
+
+    src = folder / "src" if (folder / "src").is_dir() else folder
+    sources = torch2_sources(src, build_dir / "src")
+    if not sources:
+        raise FileNotFoundError(f"--upstream-msda {folder}: no .cpp/.cu sources under it")
+    major, minor = torch.cuda.get_device_capability()
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}")
+    start = time.perf_counter()
+    ext = load("MultiScaleDeformableAttention", [str(s) for s in sources], extra_include_paths=[str(build_dir / "src")],
+               build_directory=str(build_dir), extra_cflags=["-O3", "-DWITH_CUDA"],
+               extra_cuda_cflags=["-O3", "-DCUDA_HAS_FP16=1", "-D__CUDA_NO_HALF_OPERATORS__",
+                                  "-D__CUDA_NO_HALF_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"], verbose=False)
+    print(f"upstream MSDA extension built for sm_{major}{minor} in {time.perf_counter() - start:.0f} s")
+    return ext
+
+
+def warm_up(call, seconds: float = 2.0, least: int = 3) -> None:
+    """Calls until `seconds` have passed (and at least `least`): an idle GPU's clocks take that long to rise (the
+    first row of a run measured 23% slower after three calls alone)."""
+    import torch
+
+    start, done = time.perf_counter(), 0
+    while done < least or time.perf_counter() - start < seconds:
+        call()
+        torch.cuda.synchronize()
+        done += 1
+
+
+# --- eager ----------------------------------------------------------------------------------------------------
+def eager_model(config: str, out: Path, swap: bool):
+    from d2export import config as config_mod, pipeline
+
+    overrides = [f"export.output_dir={out}", "export.device=cuda", f"plugin.swap_msda={str(swap).lower()}"]
+    return pipeline.prepare(config_mod.load(config, overrides), ROOT)
+
+
+def time_eager(adapter, args, rounds: int, batch: int) -> dict:
+    import torch
+
+    def call():
+        with torch.no_grad():
+            return adapter(*args)
+
+    warm_up(call)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    gpu, wall = [], []
+    for _ in range(rounds):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = time.perf_counter()
+        begin.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        wall.append(1e3 * (time.perf_counter() - start))
+        gpu.append(begin.elapsed_time(end))
+    return {"gpu_ms": statistics.median(gpu), "wall_ms": statistics.median(wall),
+            "per_picture_ms": statistics.median(wall) / batch,
+            "peak_gb": torch.cuda.max_memory_allocated() / 2**30}
+
+
+# --- onnxruntime ----------------------------------------------------------------------------------------------
+def process_gpu_gb() -> float:
+    """What this process holds on GPU 0, as the driver counts it (NVML); nan where NVML cannot say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid():
+                return (proc.usedGpuMemory or 0) / 2**30
+        return 0.0
+    except Exception:  # noqa: BLE001 - a figure we cannot read is reported as missing
+        return float("nan")
+
+
+def cuda_session(path: Path, profile_prefix: str | None = None, cuda_graph: bool = False):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if profile_prefix:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = profile_prefix
+    cuda = {"use_tf32": "0"} | ({"enable_cuda_graph": "1"} if cuda_graph else {})
+    session = ort.InferenceSession(str(path), opts, providers=[("CUDAExecutionProvider", cuda),
+                                                                "CPUExecutionProvider"])
+    if session.get_providers()[0] != "CUDAExecutionProvider":
+        raise RuntimeError(f"onnxruntime did not take the CUDA provider (it runs {session.get_providers()})")
+    return session
+
+
+def bound_runner(session, feed: dict):
+    """IO binding: the inputs copied to the GPU once, the outputs left there."""
+    import onnxruntime as ort
+
+    binding = session.io_binding()
+    for name, array in feed.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+    for out in session.get_outputs():
+        binding.bind_output(out.name, "cuda", 0)
+
+    def run():
+        session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+    return run
+
+
+def time_calls(run, rounds: int, batch: int) -> dict:
+    warm_up(run)
+    wall = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        run()
+        wall.append(1e3 * (time.perf_counter() - start))
+    return {"wall_ms": statistics.median(wall), "per_picture_ms": statistics.median(wall) / batch}
+
+
+def placement(path: Path, feed: dict, tmp: Path) -> dict:
+    """From one profiled warm run on the CUDA provider: nodes per provider, Memcpy nodes (host<->device copies) run,
+    the kernel time on the GPU, and the CPU-placed op types."""
+    session = cuda_session(path, str(tmp / "gpu_profile"))
+    for _ in range(3):
+        session.run(None, feed)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    last = max(e["ts"] for e in events if e.get("name") == "model_run")
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and e["ts"] >= last]
+    by_provider = collections.Counter(e["args"].get("provider", "?") for e in nodes)
+    copies = collections.Counter(e["args"]["op_name"] for e in nodes if e["args"]["op_name"].startswith("Memcpy"))
+    on_cpu = collections.Counter(e["args"]["op_name"] for e in nodes
+                                 if e["args"].get("provider") == "CPUExecutionProvider")
+    gpu_ms = sum(e["dur"] for e in nodes if e["args"].get("provider") == "CUDAExecutionProvider") / 1e3
+    return {"nodes": dict(by_provider), "copies": sum(copies.values()), "copies_by_kind": dict(copies),
+            "cpu_ops": dict(on_cpu.most_common(8)), "kernel_ms": gpu_ms}
+
+
+def parity(names, reference, outputs) -> dict:
+    """Per slot: floats max abs difference, integers the fraction agreeing."""
+    row = {}
+    for name, ref, out in zip(names, reference, outputs):
+        ref, out = np.asarray(ref), np.asarray(out)
+        if ref.shape != out.shape:
+            row[name] = f"shape {out.shape} vs {ref.shape}"
+        elif ref.dtype.kind == "f":
+            row[name] = float(np.abs(ref.astype(np.float64) - out.astype(np.float64)).max(initial=0.0))
+        else:
+            row[name + "_agree"] = float((ref == out).mean()) if ref.size else 1.0
+    return row
+
+
+def guarded(label: str, fn, *args, **kwargs):
+    """Run one row; a row that fails says why and the others go on."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        print(f"  {label}: failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e) else ''}",
+              flush=True)
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
+
+
+# --- main -----------------------------------------------------------------------------------------------------
+def main(argv=None):
+    p = parser("benchmark.py gpu", __doc__.split("\n")[0])
+    p.add_argument("--config", default="textdet", help="export config (default textdet: TESTR R-50)")
+    p.add_argument("--model", help="the float32 graph (default: export the config's gather graph into --out)")
+    p.add_argument("--size", type=int, default=640, help="picture size (square)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
+    p.add_argument("--rounds", type=int, default=20, help="timed calls per row after 3 warm-up ones")
+    p.add_argument("--upstream-msda", help="a folder with Deformable-DETR's MSDA sources (models/ops or its src/)")
+    p.add_argument("--out", help="graphs, builds and profiles go here (default: a temporary directory)")
+    p.add_argument("--json", help="also write every figure here")
+    args = p.parse_args(argv)
+
+    import onnxruntime as ort
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmark.py gpu: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    holder = None if args.out else tempfile.TemporaryDirectory(prefix="d2export_gpu_")
+    out = Path(args.out or holder.name)
+    out.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    print(f"# d2export GPU benchmark: {props.name} ({props.total_memory / 2**30:.0f} GiB), "
+          f"driver CUDA {torch.version.cuda}, torch {torch.__version__}, onnxruntime {ort.__version__}, "
+          f"config {args.config}, {args.size}², TF32 off", flush=True)
+    results: dict = {"device": props.name, "torch": torch.__version__, "onnxruntime": ort.__version__,
+                     "size": args.size, "rows": {}}
+
+    # graphs: float32 (given or exported here) and its float16 copy
+    from d2export.exporting.fp16 import to_float16
+    from d2export.tracing import dummy_images
+
+    graph = Path(args.model) if args.model else out / "gather.onnx"
+    if not args.model:
+        from benchmarks.e2e import export_in_child
+
+        info = export_in_child(args.config, "gather", "torchscript", graph)
+        print(f"exported {graph} in {info['export_s']:.0f} s ({info['nodes']} nodes)", flush=True)
+    import onnx
+
+    half = out / (graph.stem + "_fp16.onnx")
+    onnx.save(to_float16(onnx.load(str(graph))), str(half))
+
+    ext = guarded("upstream MSDA build", build_upstream, Path(args.upstream_msda), out / "msda_build") \
+        if args.upstream_msda else None
+    rows = results["rows"]
+    models = {}
+    if isinstance(ext, dict):
+        ext = None
+    if ext is not None:
+        from d2export import config as config_mod
+
+        for name in config_mod.load(args.config, [f"export.output_dir={out}"]).plugin.compiled_ops:
+            sys.modules[name] = ext  # what the user's `from adet import _C` finds where they built it
+        models["eager, compiled MSDA kernel"] = False
+    models["eager, d2export plugin"] = True
+
+    pictures = dummy_images([(args.size, args.size)] * max(args.batches), seed=123)
+    adapter_for_inputs = None
+    for label, swap in models.items():
+        built = guarded(label, eager_model, args.config, out, swap)
+        if isinstance(built, dict):
+            rows[label] = built
+            continue
+        adapter_for_inputs = adapter_for_inputs or built.adapter
+        for batch in args.batches:
+            feed = built.adapter.graph_inputs(pictures[:batch])
+            targs = tuple(torch.from_numpy(feed[n]).cuda() for n in built.adapter.input_names)
+            rows.setdefault(label, {})[batch] = guarded(f"{label} batch {batch}", time_eager, built.adapter, targs,
+                                                        args.rounds, batch)
+            print(f"{label:40s} batch {batch}: {rows[label][batch]}", flush=True)
+        del built
+        torch.cuda.empty_cache()
+
+    feeds = {batch: adapter_for_inputs.graph_inputs(pictures[:batch]) for batch in args.batches}
+    for precision, path in (("float32", graph), ("float16", half)):
+        for binding in (False, True):
+            label = f"onnxruntime CUDA, {precision}" + (", IO binding" if binding else "")
+            gc.collect()  # the last row's session gone before this one's memory is counted
+            before = process_gpu_gb()
+            session = guarded(label, cuda_session, path)
+            if isinstance(session, dict):
+                rows[label] = session
+                continue
+            for batch in args.batches:
+                run = bound_runner(session, feeds[batch]) if binding else (lambda f=feeds[batch]: session.run(None, f))
+                row = guarded(f"{label} batch {batch}", time_calls, run, args.rounds, batch)
+                row["process_gpu_gb"] = process_gpu_gb() - before
+                rows.setdefault(label, {})[batch] = row
+                print(f"{label:40s} batch {batch}: {row}", flush=True)
+            del session, run
+        results["placement_" + precision] = guarded(f"{precision} placement", placement, path, feeds[1], out)
+        print(f"{precision} graph on the CUDA provider, batch 1: {results['placement_' + precision]}", flush=True)
+    results["cuda_graph"] = guarded("CUDA graphs", lambda: time_calls(
+        bound_runner(cuda_session(graph, cuda_graph=True), feeds[1]), args.rounds, 1))
+    print(f"onnxruntime CUDA, float32, CUDA graphs, batch 1: {results['cuda_graph']}", flush=True)
+
+    # parity: the CUDA provider against the graph on the CPU provider (what `d2export export` verified)
+    cpu = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    names = [o.name for o in cpu.get_outputs()]
+    reference = cpu.run(None, feeds[1])
+    results["parity_cuda_vs_cpu"] = guarded("parity", lambda: parity(names, reference,
+                                                                      cuda_session(graph).run(None, feeds[1])))
+    print(f"parity, CUDA provider vs CPU provider, float32, batch 1: {results['parity_cuda_vs_cpu']}", flush=True)
+
+    print_table(results, args.batches)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+def print_table(results: dict, batches) -> None:
+    print(f"\n## {results['device']}, {results['size']}² (medians; ms per call / per picture; peak GPU GB)")
+    print(f"{'runner':44s} " + " ".join(f"{f'b{b} call':>9s} {f'b{b} pic':>8s} {'GPU ms':>7s} {'GB':>5s}"
+                                        for b in batches))
+    for label, by_batch in results["rows"].items():
+        cells = []
+        for b in batches:
+            row = by_batch.get(b, {}) if "error" not in by_batch else {}
+            gb = row.get("peak_gb", row.get("process_gpu_gb", float("nan")))
+            cells.append(f"{row.get('wall_ms', float('nan')):9.1f} {row.get('per_picture_ms', float('nan')):8.1f} "
+                         f"{row.get('gpu_ms', float('nan')):7.1f} {gb:5.2f}")
+        print(f"{label:44s} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

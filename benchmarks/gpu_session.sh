@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# What a lent GPU machine ran for issue 45's figures (docs/gpu.md): a bare image with python3, torch and CUDA, no
+# registry. onnxruntime-gpu (a 256 MB wheel, the CUDA provider 284 MB) arrives in xz pieces over several calls
+# (each call carries at most 64 MiB), the pure-Python dependencies as copied package folders, three compiled ones as
+# cp312 wheels; Deformable-DETR's MSDA sources (the user's compiled kernel) beside them.
+#   prep:   stash piece 1, install the small dependencies, start in the background: the upstream kernel's build, the
+#           R-50 spotter's export on CUDA (verified on the CPU provider), the held-out sets
+#   stash N: stash piece N
+#   run:    assemble onnxruntime-gpu, then: the CUDA-only test, exports verified on the CUDA provider, the benchmark,
+#           the trained models evaluated through the CUDA provider
+set -uo pipefail
+W=/tmp/work
+mkdir -p $W /tmp/stash /tmp/site
+export PYTHONUNBUFFERED=1 OUT=${OUT:-$W/out}
+mkdir -p "$OUT"
+SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
+export LD_LIBRARY_PATH=$(find "$SP/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
+refresh_repo() { rm -rf $W/repo && mkdir -p $W/repo && tar --exclude='./.gpu*' -cf - . | tar -xf - -C $W/repo; }
+in_repo() { (cd $W/repo && PYTHONPATH=$W/repo:/tmp/ortsite:/tmp/site "$@"); }
+
+case "${1:-}" in
+prep)
+  cp .gpu1/ort.part1 /tmp/stash/
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
+  cp -r .gpu/site/. /tmp/site/ && cp -r .gpu/msda_upstream $W/
+  refresh_repo
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  in_repo python3 -c "import torch, onnxruntime, detectron2, d2export.pipeline; print('torch', torch.__version__, \
+torch.version.cuda, torch.cuda.get_device_name(0), 'onnxruntime', onnxruntime.__version__)" || exit 1
+  cd $W/repo
+  bg() { setsid nohup bash -c "cd $W/repo && PYTHONPATH=$W/repo:/tmp/site $2" > $W/$1.log 2>&1 < /dev/null &
+         echo $! > $W/$1.pid; }
+  bg msda_build "python3 -c \"from pathlib import Path; from benchmarks.gpu import build_upstream; \
+build_upstream(Path('$W/msda_upstream'), Path('$W/msda_build'))\""
+  bg export_r50 "python3 tools/export.py --config textdet export.device=cuda export.output_dir=$W/textdet"
+  bg synth "python3 -m d2export.cli synth text --out $W/held_text --seed 1 --count 200 --size 320x320 --workers 6 \
+&& python3 -m d2export.cli synth boxes --out $W/held_boxes --seed 1 --count 300 --size 320x320 --workers 6"
+  sleep 20; tail -n 3 $W/*.log
+  ;;
+stash)
+  cp ".gpu$2/ort.part$2" /tmp/stash/ && ls -la /tmp/stash && tail -n 2 $W/*.log
+  ;;
+run)
+  cp .gpu5/ort.part5 /tmp/stash/
+  mkdir -p /tmp/ortsite
+  cat /tmp/stash/ort.part1 /tmp/stash/ort.part2 /tmp/stash/ort.part3 /tmp/stash/ort.part4 /tmp/stash/ort.part5 \
+    | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+    | tar -xf - -C /tmp/ortsite || exit 1
+  refresh_repo
+  in_repo python3 -c "import torch, onnxruntime as o; print(o.__version__, o.get_available_providers())"
+  for job in msda_build export_r50 synth; do  # the background jobs prep started: wait (2 minutes at most)
+    for _ in $(seq 60); do kill -0 "$(cat $W/$job.pid)" 2>/dev/null || break; sleep 2; done
+  done
+  tail -n 4 $W/*.log; cp $W/*.log "$OUT/" 2>/dev/null
+  R50=$(find $W/textdet -name '*.onnx' | grep -v fp16 | head -1); echo "R-50 graph: $R50"
+  in_repo python3 tools/benchmark.py gpu --model "$R50" --upstream-msda $W/msda_upstream --out $W/bench \
+    --json "$OUT/gpu.json" --rounds 20 2>&1 | tee "$OUT/bench.log"
+  in_repo python3 tools/export.py --config textdet_micro export.device=cuda "verify.providers=[cuda]" \
+    export.output_dir=$W/micro 2>&1 | tail -n 15 | tee "$OUT/export_micro.log"
+  in_repo python3 -m d2export.cli evaluate --config textdet_micro --dataset $W/held_text --precision fp32,fp16 \
+    --providers cuda --json "$OUT/eval_text.json" 2>&1 | tail -n 25 | tee "$OUT/eval_text.log"
+  in_repo python3 -m d2export.cli evaluate --config boxdet --dataset $W/held_boxes --precision fp32,fp16 \
+    --providers cuda --json "$OUT/eval_boxes.json" 2>&1 | tail -n 25 | tee "$OUT/eval_boxes.log"
+  in_repo python3 -m pytest -q -x tests/test_device.py 2>&1 | tail -n 5
+  ;;
+*) echo "usage: $0 prep | stash N | run" >&2; exit 2 ;;
+esac

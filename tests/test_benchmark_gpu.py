@@ -1,0 +1,46 @@
+"""benchmarks/gpu.py's parts that need no GPU: the torch-2 fixes to a user's compiled-kernel sources, and the refusal
+where torch sees no CUDA device."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu import torch2_sources
+
+ROOT = Path(__file__).resolve().parent.parent
+
+OLD = """at::Tensor f(const at::Tensor &value, const at::Tensor &loc) {
+    AT_ASSERTM(value.type().is_cuda(), "value must be a CUDA tensor");
+    AT_ASSERTM(loc.type().is_cuda(), "loc must be a CUDA tensor");
+    AT_DISPATCH_FLOATING_TYPES(value.type(), "f_cuda", ([&] { g<scalar_t>(value); }));
+    auto t = value.type();  // anything else is left alone
+}
+"""
+
+
+def test_the_torch2_fixes_change_only_what_torch2_refuses(tmp_path):
+    src = tmp_path / "src"
+    (src / "cuda").mkdir(parents=True)
+    (src / "cuda" / "op.cu").write_text(OLD)
+    (src / "op.h").write_text("if (value.type().is_cuda()) {}\n")
+    (src / "vision.cpp").write_text("#include \"op.h\"\n")
+    (src / "README").write_text("value.type().is_cuda()")
+    files = torch2_sources(src, tmp_path / "out")
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in files) == ["cuda/op.cu", "vision.cpp"]
+    fixed = (tmp_path / "out" / "cuda" / "op.cu").read_text()
+    assert 'AT_ASSERTM(value.is_cuda(), "value' in fixed and 'AT_ASSERTM(loc.is_cuda(), "loc' in fixed
+    assert 'AT_DISPATCH_FLOATING_TYPES(value.scalar_type(), "f_cuda"' in fixed
+    assert "auto t = value.type();" in fixed and ".type().is_cuda()" not in fixed
+    assert (tmp_path / "out" / "op.h").read_text() == "if (value.is_cuda()) {}\n"  # headers are copied and fixed
+    assert not (tmp_path / "out" / "README").exists()
+    assert (src / "cuda" / "op.cu").read_text() == OLD  # the user's files are untouched
+
+
+def test_without_a_gpu_the_benchmark_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the benchmark runs instead of refusing")
+    done = subprocess.run([sys.executable, "tools/benchmark.py", "gpu"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and "torch sees no CUDA device" in done.stderr
