@@ -21,7 +21,6 @@ import argparse
 import io
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from benchmarks.e2e import interleaved
 from d2export.cli import parser
 from d2export.ops.msda import _gather, multi_scale_deformable_attention
 
@@ -211,16 +211,10 @@ def _child_peak(name, size, lq, threads):
 def bench_case(size, lq, threads, rounds, memory):
     inputs = make_inputs(size, lq)
     runners = {name: build_runner(name, inputs, threads) for name in FORMULATIONS}
-    times = {name: [] for name in runners}
     outs = {name: run() for name, run in runners.items()}  # warm-up
     native, numba_ = (np.asarray(outs[k][0], np.float64) for k in (FUSED, FUSED_NUMBA))
     kernels_differ = float(np.abs(native - numba_).max() / np.abs(numba_).max())
-    for _ in range(rounds):
-        for name, run in runners.items():
-            t = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t)
-    ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    ms = {name: 1000 * sec for name, sec in interleaved(runners, rounds, warmup=0).items()}
     peaks = {name: peak_memory_mb(name, size, lq, threads) for name in runners} if memory else {}
     return inputs[3].shape[1], ms, peaks, kernels_differ
 

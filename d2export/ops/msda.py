@@ -111,14 +111,13 @@ def _level_bounds(spatial_shapes):
     return [(h, w, start) for (h, w), start in zip(shapes, level_starts(shapes))]
 
 
-def _index_sizes(value: torch.Tensor, dtype: torch.dtype):
-    """S and M of value [N, S, M, D] as 1-element tensors of the index dtype. A traced size (or any 0-d tensor,
-    which the TorchScript exporter promotes like a Python scalar) would turn the whole index int64 in the graph;
-    torch.export has no `_shape_as_tensor`, and `scalar_tensor` keeps its SymInt symbolic."""
+def _token_count(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """S of value [N, S, M, D] as a 1-element tensor of the index dtype. A traced size (or any 0-d tensor, which the
+    TorchScript exporter promotes like a Python scalar) would turn the whole index int64 in the graph; torch.export
+    has no `_shape_as_tensor`, and `scalar_tensor` keeps its SymInt symbolic."""
     if torch.compiler.is_exporting():
-        return tuple(torch.scalar_tensor(v, dtype=dtype, device=value.device).view(1) for v in value.shape[1:3])
-    shape = torch._shape_as_tensor(value).to(device=value.device, dtype=dtype)
-    return shape[1:2], shape[2:3]
+        return torch.scalar_tensor(value.shape[1], dtype=dtype, device=value.device).view(1)
+    return torch._shape_as_tensor(value)[1:2].to(device=value.device, dtype=dtype)
 
 
 def _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, chunks=QUERY_CHUNKS):
@@ -137,7 +136,9 @@ def _gather(value, spatial_shapes, level_start_index, sampling_locations, attent
     # Row of value.reshape(N * S * M, D) for (batch b, token t, head h) is (b * S + t) * M + h.
     # int32 indices gather faster than int64 in onnxruntime; N * S * M stays far below 2**31.
     idx = offset.dtype
-    s_, m_ = _index_sizes(value, idx)
+    # the head count is the model's structure: a constant in the graph, not a size read back from value's shape (on
+    # a GPU each size read here is a host-to-device copy: S and M per MSDA call were 36 of the R-50 spotter's 56)
+    s_, m_ = _token_count(value, idx), static_size(m)
     batch = torch.arange(n, dtype=idx, device=value.device).view(n, 1, 1, 1, 1) * s_
     head = torch.arange(m, dtype=idx, device=value.device).view(1, 1, m, 1, 1)
     base = (batch + level_start_index.to(idx).unsqueeze(-1).expand(level_shape)) * m_ + head  # [N, 1, M, L, P]
