@@ -10,8 +10,8 @@ Rows, each at every batch size (the same pictures, --size², in every row):
 - eager PyTorch with the plugin (MSDA swapped for d2export's core, as `d2export export` builds it);
 - onnxruntime's CUDA provider on the float32 graph and on its float16 copy, each fed from the host (`run`, as the
   Predictor does) and with IO binding (inputs and outputs stay on the GPU), TF32 off as verified.
-For each: GPU time (CUDA events around the call; for onnxruntime, the sum of its kernels in a profiled run), wall time
-per call and per picture (medians, warm), peak GPU memory (PyTorch: its allocator's peak; onnxruntime: what the process
+For each: wall time per call and per picture (medians, after 2 s of warm-up calls), for eager also GPU time (CUDA
+events around the call; onnxruntime's profile times its kernels' launches, not their run), peak GPU memory (PyTorch: its allocator's peak; onnxruntime: what the process
 holds on the GPU beyond what it held before the session, read through NVML), and, for the graphs, the nodes
 onnxruntime placed on the CPU and the host<->device copies it inserted (Memcpy nodes run per call), from its profile.
 Then parity at batch 1: the CUDA provider's float32 outputs, slot by slot, against the same graph on the CPU provider
@@ -185,7 +185,7 @@ def time_calls(run, rounds: int, batch: int) -> dict:
 
 def placement(path: Path, feed: dict, tmp: Path) -> dict:
     """From one profiled warm run on the CUDA provider: nodes per provider, Memcpy nodes (host<->device copies) run,
-    the kernel time on the GPU, and the CPU-placed op types."""
+    the CPU-placed op types and the time spent running them."""
     session = cuda_session(path, str(tmp / "gpu_profile"))
     for _ in range(3):
         session.run(None, feed)
@@ -196,9 +196,9 @@ def placement(path: Path, feed: dict, tmp: Path) -> dict:
     copies = collections.Counter(e["args"]["op_name"] for e in nodes if e["args"]["op_name"].startswith("Memcpy"))
     on_cpu = collections.Counter(e["args"]["op_name"] for e in nodes
                                  if e["args"].get("provider") == "CPUExecutionProvider")
-    gpu_ms = sum(e["dur"] for e in nodes if e["args"].get("provider") == "CUDAExecutionProvider") / 1e3
+    cpu_ms = sum(e["dur"] for e in nodes if e["args"].get("provider") == "CPUExecutionProvider") / 1e3
     return {"nodes": dict(by_provider), "copies": sum(copies.values()), "copies_by_kind": dict(copies),
-            "cpu_ops": dict(on_cpu.most_common(8)), "kernel_ms": gpu_ms}
+            "cpu_ops": dict(on_cpu.most_common(8)), "cpu_nodes_ms": cpu_ms}
 
 
 def parity(names, reference, outputs) -> dict:

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# What a lent GPU machine ran for issue 45's figures (docs/gpu.md): a bare image with python3, torch and CUDA, no
+# What a lent GPU machine ran for issue 45's figures (docs/gpu.md): a bare image with python3.12, torch and CUDA, no
 # registry. onnxruntime-gpu (a 256 MB wheel, the CUDA provider 284 MB) arrives in xz pieces over several calls
-# (each call carries at most 64 MiB), the pure-Python dependencies as copied package folders, three compiled ones as
-# cp312 wheels; Deformable-DETR's MSDA sources (the user's compiled kernel) beside them.
-#   prep:   stash piece 1, install the small dependencies, start in the background: the upstream kernel's build, the
-#           R-50 spotter's export on CUDA (verified on the CPU provider), the held-out sets
-#   stash N: stash piece N
-#   run:    assemble onnxruntime-gpu, then: the CUDA-only test, exports verified on the CUDA provider, the benchmark,
-#           the trained models evaluated through the CUDA provider
+# (each call carries at most 64 MiB with the repository's ~18), the pure-Python dependencies as copied package
+# folders, three compiled ones as cp312 wheels; Deformable-DETR's MSDA sources (the user's compiled kernel) beside them.
+#   pack DIR: HERE, not there: build .gpu/ and .gpu1 … .gpu5 (git-ignored through .git/info/exclude) from the
+#           registry, this venv and DIR, a Deformable-DETR checkout's models/ops
+#   prep:   (carry .gpu .gpu1) stash piece 1, install the small dependencies, start in the background: the upstream
+#           kernel's build, the R-50 spotter's export on CUDA (verified on the CPU provider), the held-out sets
+#   stash N: (carry .gpuN, N = 2 … 4, each call within 30 s of the last: the machine stays warm that long)
+#   run:    (carry .gpu5) assemble onnxruntime-gpu, then: the benchmark, the trained micro spotter exported with
+#           verify.providers=[cuda], both trained models evaluated through the CUDA provider, the CUDA-only test
+# Six calls, about 9 minutes of device time in all (the first start about 1).
 set -uo pipefail
 W=/tmp/work
 mkdir -p $W /tmp/stash /tmp/site
@@ -19,6 +22,31 @@ refresh_repo() { rm -rf $W/repo && mkdir -p $W/repo && tar --exclude='./.gpu*' -
 in_repo() { (cd $W/repo && PYTHONPATH=$W/repo:/tmp/ortsite:/tmp/site "$@"); }
 
 case "${1:-}" in
+pack)
+  set -e
+  [ -d "${2:-}/src" ] || { echo "pack DIR: DIR is Deformable-DETR's models/ops (with src/)" >&2; exit 2; }
+  grep -qx '/.gpu\*/' .git/info/exclude 2>/dev/null || printf '/.gpu/\n/.gpu*/\n' >> .git/info/exclude
+  rm -rf .gpu .gpu[1-5] /tmp/d2x_ort && mkdir -p .gpu/site .gpu/whl /tmp/d2x_ort
+  spec="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+  python3 -m pip download $spec -d /tmp/d2x_ort onnxruntime-gpu==1.31.1
+  python3 -m pip download $spec -d .gpu/whl pydantic_core==2.50.5 shapely==2.2.0 pycocotools==2.0.11
+  (cd /tmp/d2x_ort && unzip -q onnxruntime_gpu-*.whl && rm onnxruntime/capi/libonnxruntime.so.* \
+    onnxruntime/capi/libonnxruntime_providers_tensorrt.so && tar cf - onnxruntime onnxruntime_gpu-*.dist-info \
+    | xz -T0 -7 > ort.tar.xz)  # the Python module needs neither the C API library nor TensorRT's provider
+  for n in 1 2 3 4 5; do mkdir -p .gpu$n; done  # 34 MiB beside .gpu's 11 in the first call, 46 MiB, rest in the last
+  dd if=/tmp/d2x_ort/ort.tar.xz of=.gpu1/ort.part1 bs=1M count=34 iflag=fullblock status=none
+  for n in 2 3 4; do dd if=/tmp/d2x_ort/ort.tar.xz of=.gpu$n/ort.part$n bs=1M skip=$((34 + 46 * (n - 2))) count=46 \
+    iflag=fullblock status=none; done
+  dd if=/tmp/d2x_ort/ort.tar.xz of=.gpu5/ort.part5 bs=1M skip=172 iflag=fullblock status=none
+  SP=$(.venv/bin/python -c "import site; print(site.getsitepackages()[0])")
+  for p in detectron2 hydra omegaconf antlr4 fvcore iopath yacs termcolor typing_inspection annotated_types pydantic \
+      typing_extensions.py detectron2-0.7.2+purepy.dist-info hydra_core-1.3.8.dist-info omegaconf-2.3.1.dist-info; do
+    cp -r "$SP/$p" .gpu/site/; done
+  find .gpu/site -name __pycache__ -prune -exec rm -rf {} +
+  mkdir -p .gpu/msda_upstream && cp -r "$2/src" .gpu/msda_upstream/
+  du -sh .gpu .gpu[1-5]
+  ;;
 prep)
   cp .gpu1/ort.part1 /tmp/stash/
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
@@ -63,5 +91,5 @@ run)
     --providers cuda --json "$OUT/eval_boxes.json" 2>&1 | tail -n 25 | tee "$OUT/eval_boxes.log"
   in_repo python3 -m pytest -q -x tests/test_device.py 2>&1 | tail -n 5
   ;;
-*) echo "usage: $0 prep | stash N | run" >&2; exit 2 ;;
+*) echo "usage: $0 pack DIR | prep | stash N | run" >&2; exit 2 ;;
 esac
