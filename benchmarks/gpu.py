@@ -1,7 +1,7 @@
 """GPU benchmark: the text spotter on one NVIDIA GPU, eager PyTorch against onnxruntime's CUDA provider.
 
     python tools/benchmark.py gpu [--config textdet] [--model GRAPH.onnx] [--size 640] [--batches 1 8]
-        [--rounds 20] [--upstream-msda DIR] [--out DIR] [--json FILE]
+        [--rounds 20] [--upstream-msda DIR] [--simplified] [--out DIR] [--json FILE]
 
 Rows, each at every batch size (the same pictures, --size², in every row):
 - eager PyTorch with the compiled MSDA kernel the user has (--upstream-msda: a folder holding Deformable-DETR's
@@ -9,10 +9,12 @@ Rows, each at every batch size (the same pictures, --size², in every row):
   forward (`plugin.swap_msda=false`) calling it through the configured `plugin.compiled_ops` names;
 - eager PyTorch with the plugin (MSDA swapped for d2export's core, as `d2export export` builds it);
 - onnxruntime's CUDA provider on the float32 graph and on its float16 copy, each fed from the host (`run`, as the
-  Predictor does) and with IO binding (inputs and outputs stay on the GPU), TF32 off as verified.
+  Predictor does) and with IO binding (inputs and outputs stay on the GPU), TF32 off as verified; with --simplified
+  also the float32 graph through onnxslim (`export.simplify=true`).
 For each: wall time per call and per picture (medians, after 2 s of warm-up calls), for eager also GPU time (CUDA
-events around the call; onnxruntime's profile times its kernels' launches, not their run), peak GPU memory (PyTorch: its allocator's peak; onnxruntime: what the process
-holds on the GPU beyond what it held before the session, read through NVML), and, for the graphs, the nodes
+events around the call; onnxruntime's profile times its kernels' launches, not their run), peak GPU memory
+(PyTorch: its allocator's peak; onnxruntime: what the process holds on the GPU beyond what it held before the
+session, read through NVML), and, for the graphs, the nodes
 onnxruntime placed on the CPU and the host<->device copies it inserted (Memcpy nodes run per call), from its profile.
 Then parity at batch 1: the CUDA provider's float32 outputs, slot by slot, against the same graph on the CPU provider
 (the graph `d2export export` verified). TF32 is off everywhere (its 10-bit mantissa reorders near-tied proposals).
@@ -235,6 +237,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=20, help="timed calls per row after 3 warm-up ones")
     p.add_argument("--upstream-msda", help="a folder with Deformable-DETR's MSDA sources (models/ops or its src/)")
     p.add_argument("--out", help="graphs, builds and profiles go here (default: a temporary directory)")
+    p.add_argument("--simplified", action="store_true", help="also the float32 graph through onnxslim (as "
+                   "export.simplify=true writes it): its placement, copies and time")
     p.add_argument("--json", help="also write every figure here")
     args = p.parse_args(argv)
 
@@ -269,6 +273,13 @@ def main(argv=None):
 
     half = out / (graph.stem + "_fp16.onnx")
     onnx.save(to_float16(onnx.load(str(graph))), str(half))
+    graphs = [("float32", graph, (False, True)), ("float16", half, (False, True))]
+    if args.simplified:  # export.simplify=true: onnxslim folds shape arithmetic that the CUDA provider runs on the CPU
+        import onnxslim
+
+        slim = out / (graph.stem + "_slim.onnx")
+        onnx.save(onnxslim.slim(onnx.load(str(graph))), str(slim))
+        graphs.append(("float32 onnxslim", slim, (False,)))
 
     ext = guarded("upstream MSDA build", build_upstream, Path(args.upstream_msda), out / "msda_build") \
         if args.upstream_msda else None
@@ -302,8 +313,8 @@ def main(argv=None):
         torch.cuda.empty_cache()
 
     feeds = {batch: adapter_for_inputs.graph_inputs(pictures[:batch]) for batch in args.batches}
-    for precision, path in (("float32", graph), ("float16", half)):
-        for binding in (False, True):
+    for precision, path, bindings in graphs:
+        for binding in bindings:
             label = f"onnxruntime CUDA, {precision}" + (", IO binding" if binding else "")
             gc.collect()  # the last row's session gone before this one's memory is counted
             before = process_gpu_gb()

@@ -41,7 +41,8 @@ pack)
   dd if=/tmp/d2x_ort/ort.tar.xz of=.gpu5/ort.part5 bs=1M skip=172 iflag=fullblock status=none
   SP=$(.venv/bin/python -c "import site; print(site.getsitepackages()[0])")
   for p in detectron2 hydra omegaconf antlr4 fvcore iopath yacs termcolor typing_inspection annotated_types pydantic \
-      typing_extensions.py detectron2-0.7.2+purepy.dist-info hydra_core-1.3.8.dist-info omegaconf-2.3.1.dist-info; do
+      onnxslim typing_extensions.py detectron2-0.7.2+purepy.dist-info hydra_core-1.3.8.dist-info \
+      omegaconf-2.3.1.dist-info; do
     cp -r "$SP/$p" .gpu/site/; done
   find .gpu/site -name __pycache__ -prune -exec rm -rf {} +
   mkdir -p .gpu/msda_upstream && cp -r "$2/src" .gpu/msda_upstream/
@@ -82,7 +83,7 @@ run)
   tail -n 4 $W/*.log; cp $W/*.log "$OUT/" 2>/dev/null
   R50=$(find $W/textdet -name '*.onnx' | grep -v fp16 | head -1); echo "R-50 graph: $R50"
   in_repo python3 tools/benchmark.py gpu --model "$R50" --upstream-msda $W/msda_upstream --out $W/bench \
-    --json "$OUT/gpu.json" --rounds 20 2>&1 | tee "$OUT/bench.log"
+    --simplified --json "$OUT/gpu.json" --rounds 20 2>&1 | grep -v cudnn_fe | tee "$OUT/bench.log"
   in_repo python3 tools/export.py --config textdet_micro export.device=cuda "verify.providers=[cuda]" \
     export.output_dir=$W/micro 2>&1 | tail -n 15 | tee "$OUT/export_micro.log"
   in_repo python3 -m d2export.cli evaluate --config textdet_micro --dataset $W/held_text --precision fp32,fp16 \
