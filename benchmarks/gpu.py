@@ -285,9 +285,7 @@ def main(argv=None):
         if args.upstream_msda else None
     rows = results["rows"]
     models = {}
-    if isinstance(ext, dict):
-        ext = None
-    if ext is not None:
+    if ext is not None and not isinstance(ext, dict):  # built (a failed build is a row that says why)
         from d2export import config as config_mod
 
         for name in config_mod.load(args.config, [f"export.output_dir={out}"]).plugin.compiled_ops:
@@ -312,6 +310,10 @@ def main(argv=None):
         del built
         torch.cuda.empty_cache()
 
+    if adapter_for_inputs is None:
+        print("benchmark.py gpu: the model could not be built (above), so there are no inputs for the graphs",
+              file=sys.stderr)
+        return 1
     feeds = {batch: adapter_for_inputs.graph_inputs(pictures[:batch]) for batch in args.batches}
     for precision, path, bindings in graphs:
         for binding in bindings:
