@@ -291,6 +291,8 @@ def main(argv=None):
         for name in config_mod.load(args.config, [f"export.output_dir={out}"]).plugin.compiled_ops:
             sys.modules[name] = ext  # what the user's `from adet import _C` finds where they built it
         models["eager, compiled MSDA kernel"] = False
+    elif isinstance(ext, dict):
+        rows["eager, compiled MSDA kernel"] = ext
     models["eager, d2export plugin"] = True
 
     pictures = dummy_images([(args.size, args.size)] * max(args.batches), seed=123)
