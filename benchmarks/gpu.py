@@ -11,11 +11,12 @@ Rows, each at every batch size (the same pictures, --size², in every row):
 - onnxruntime's CUDA provider on the float32 graph and on its float16 copy, each fed from the host (`run`, as the
   Predictor does) and with IO binding (inputs and outputs stay on the GPU), TF32 off as verified; with --simplified
   also the float32 graph through onnxslim (`export.simplify=true`).
-For each: wall time per call and per picture (medians, after 2 s of warm-up calls), for eager also GPU time (CUDA
-events around the call; onnxruntime's profile times its kernels' launches, not their run), peak GPU memory
-(PyTorch: its allocator's peak; onnxruntime: what the process holds on the GPU beyond what it held before the
-session, read through NVML), and, for the graphs, the nodes
-onnxruntime placed on the CPU and the host<->device copies it inserted (Memcpy nodes run per call), from its profile.
+For each: wall time per call and per picture (medians, after 2 s of warm-up calls); what one call runs on the GPU
+(torch's profiler, whose CUPTI tracing sees onnxruntime's kernels too: kernels and their summed time, copies to the
+device, the span from first to last, so the GPU's idle share); for eager also CUDA events around the call; peak GPU
+memory (PyTorch: its allocator's peak; onnxruntime: what the process holds on the GPU beyond what it held before the
+session, read through NVML); and, for the graphs, the nodes onnxruntime placed on the CPU and the host<->device copies
+it inserted (Memcpy nodes run per call), from its profile.
 Then parity at batch 1: the CUDA provider's float32 outputs, slot by slot, against the same graph on the CPU provider
 (the graph `d2export export` verified). TF32 is off everywhere (its 10-bit mantissa reorders near-tied proposals).
 """
@@ -102,12 +103,17 @@ def eager_model(config: str, out: Path, swap: bool):
     return pipeline.prepare(config_mod.load(config, overrides), ROOT)
 
 
-def time_eager(adapter, args, rounds: int, batch: int) -> dict:
+def eager_call(adapter, args):
     import torch
 
     def call():
         with torch.no_grad():
             return adapter(*args)
+    return call
+
+
+def time_eager(call, rounds: int, batch: int) -> dict:
+    import torch
 
     warm_up(call)
     torch.cuda.synchronize()
@@ -125,6 +131,36 @@ def time_eager(adapter, args, rounds: int, batch: int) -> dict:
     return {"gpu_ms": statistics.median(gpu), "wall_ms": statistics.median(wall),
             "per_picture_ms": statistics.median(wall) / batch,
             "peak_gb": torch.cuda.max_memory_allocated() / 2**30}
+
+
+def gpu_activity(trace: dict) -> dict:
+    """What ran on the GPU, from a Chrome trace of torch's profiler (CUPTI records every library's kernels in the
+    process, onnxruntime's too): kernels and their summed time, host-to-device and other copies, and the span from the
+    first GPU activity to the last (the span less the kernels' time is the GPU waiting on the host)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events:
+        return {"kernels": 0, "kernel_ms": 0.0, "copies_to_device": 0, "copies_other": 0, "gpu_span_ms": 0.0}
+    kernels = [e for e in events if e["cat"] == "kernel"]
+    copies = [e for e in events if e["cat"] == "gpu_memcpy"]
+    to_device = sum("HtoD" in e.get("name", "") for e in copies)
+    return {"kernels": len(kernels), "kernel_ms": sum(e["dur"] for e in kernels) / 1e3,
+            "copies_to_device": to_device, "copies_other": len(copies) - to_device,
+            "gpu_span_ms": (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3}
+
+
+def traced_gpu_activity(call, tmp: Path) -> dict:
+    """`gpu_activity` of one warm call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    path = tmp / "gpu_trace.json"
+    prof.export_chrome_trace(str(path))
+    return gpu_activity(json.loads(path.read_text()))
 
 
 # --- onnxruntime ----------------------------------------------------------------------------------------------
@@ -305,9 +341,10 @@ def main(argv=None):
         adapter_for_inputs = adapter_for_inputs or built.adapter
         for batch in args.batches:
             feed = built.adapter.graph_inputs(pictures[:batch])
-            targs = tuple(torch.from_numpy(feed[n]).cuda() for n in built.adapter.input_names)
-            rows.setdefault(label, {})[batch] = guarded(f"{label} batch {batch}", time_eager, built.adapter, targs,
-                                                        args.rounds, batch)
+            call = eager_call(built.adapter, tuple(torch.from_numpy(feed[n]).cuda() for n in built.adapter.input_names))
+            row = guarded(f"{label} batch {batch}", time_eager, call, args.rounds, batch)
+            row.update(guarded(f"{label} GPU trace", traced_gpu_activity, call, out))
+            rows.setdefault(label, {})[batch] = row
             print(f"{label:40s} batch {batch}: {rows[label][batch]}", flush=True)
         del built
         torch.cuda.empty_cache()
@@ -330,6 +367,7 @@ def main(argv=None):
                 run = bound_runner(session, feeds[batch]) if binding else (lambda f=feeds[batch]: session.run(None, f))
                 row = guarded(f"{label} batch {batch}", time_calls, run, args.rounds, batch)
                 row["process_gpu_gb"] = process_gpu_gb() - before
+                row.update(guarded(f"{label} GPU trace", traced_gpu_activity, run, out))
                 rows.setdefault(label, {})[batch] = row
                 print(f"{label:40s} batch {batch}: {row}", flush=True)
             del session, run
@@ -353,8 +391,9 @@ def main(argv=None):
 
 
 def print_table(results: dict, batches) -> None:
-    print(f"\n## {results['device']}, {results['size']}² (medians; ms per call / per picture; peak GPU GB)")
-    print(f"{'runner':44s} " + " ".join(f"{f'b{b} call':>9s} {f'b{b} pic':>8s} {'GPU ms':>7s} {'GB':>5s}"
+    print(f"\n## {results['device']}, {results['size']}² (medians; ms per call and per picture; the GPU's kernels' "
+          "ms in one traced call and the copies to the device; peak GPU GB)")
+    print(f"{'runner':44s} " + " ".join(f"{f'b{b} call':>9s} {f'b{b} pic':>8s} {'kernels':>7s} {'HtoD':>5s} {'GB':>5s}"
                                         for b in batches))
     for label, by_batch in results["rows"].items():
         cells = []
@@ -362,7 +401,7 @@ def print_table(results: dict, batches) -> None:
             row = by_batch.get(b, {}) if "error" not in by_batch else {}
             gb = row.get("peak_gb", row.get("process_gpu_gb", float("nan")))
             cells.append(f"{row.get('wall_ms', float('nan')):9.1f} {row.get('per_picture_ms', float('nan')):8.1f} "
-                         f"{row.get('gpu_ms', float('nan')):7.1f} {gb:5.2f}")
+                         f"{row.get('kernel_ms', float('nan')):7.1f} {row.get('copies_to_device', -1):5d} {gb:5.2f}")
         print(f"{label:44s} " + " ".join(cells))
 
 

@@ -44,3 +44,18 @@ def test_without_a_gpu_the_benchmark_says_so():
         pytest.skip("a GPU is here: the benchmark runs instead of refusing")
     done = subprocess.run([sys.executable, "tools/benchmark.py", "gpu"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 2 and "torch sees no CUDA device" in done.stderr
+
+
+def test_gpu_activity_counts_kernels_copies_and_the_idle_span():
+    from benchmarks.gpu import gpu_activity
+
+    trace = {"traceEvents": [
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},  # host work is not GPU time
+        {"cat": "kernel", "name": "gemm", "ts": 100, "dur": 300},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 450, "dur": 10},
+        {"cat": "kernel", "name": "gather", "ts": 1000, "dur": 200},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "ts": 1300, "dur": 20},
+    ]}
+    assert gpu_activity(trace) == {"kernels": 2, "kernel_ms": 0.5, "copies_to_device": 1, "copies_other": 1,
+                                   "gpu_span_ms": 1.22}
+    assert gpu_activity({"traceEvents": []})["kernels"] == 0
