@@ -11,6 +11,9 @@
 #   run:    (carry .gpu5) assemble onnxruntime-gpu, then: the benchmark, the trained micro spotter exported with
 #           verify.providers=[cuda], both trained models evaluated through the CUDA provider, the CUDA-only test
 # Six calls, about 9 minutes of device time in all (the first start about 1).
+#   train MINUTES [KEY VALUE ...]: (carry .gpu; one call) train the micro spotter on the GPU from the fixture, e.g.
+#           `train 6 --batch 16 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4`; score what comes back here with
+#           `d2export evaluate` on the held-out set before it may become the fixture (tools/train_spotter.py --fixture)
 set -uo pipefail
 W=/tmp/work
 mkdir -p $W /tmp/stash /tmp/site
@@ -92,5 +95,15 @@ run)
     --providers cuda --json "$OUT/eval_boxes.json" 2>&1 | tail -n 25 | tee "$OUT/eval_boxes.log"
   in_repo python3 -m pytest -q -x tests/test_device.py 2>&1 | tail -n 5
   ;;
-*) echo "usage: $0 pack DIR | prep | stash N | run" >&2; exit 2 ;;
+train)  # (carry .gpu) MINUTES [KEY VALUE ...]: issue 42's unblock — the micro spotter warm-started from the fixture,
+        # trained on the GPU; its last float16 weights and its curve come back under $OUT (7.5 MB)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
+  cp -r .gpu/site/. /tmp/site/ && refresh_repo
+  in_repo python3 tools/train_spotter.py --device cuda --threads 8 --out $W/spotter \
+    --config third_party/testr/configs/micro_spotter.yaml --init tests/data/spotter_fixture.pth --train-count 2000 \
+    --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "${2:-6}" --eval-every 1000 "${@:3}" 2>&1 \
+    | grep -v "it/s\]$" | tail -n 30
+  cp $W/spotter/metrics.jsonl "$OUT/" && cp "$(ls $W/spotter/model_*_fp16.pth | tail -n 1)" "$OUT/"
+  ;;
+*) echo "usage: $0 pack DIR | prep | stash N | run | train MINUTES [KEY VALUE ...]" >&2; exit 2 ;;
 esac

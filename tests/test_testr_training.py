@@ -338,3 +338,17 @@ def test_the_probe_reports_where_matched_references_lie(tmp_path):
     assert result["steps"] == 1  # a fixed count: how many steps fit in a time depends on the machine
     # the true boxes are the references and the reference cost dominates the matching: each word gets its own box
     assert result["reference_centre_in_word"] == 1.0 and result["reference_iou_mean"] > 0.99
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda trains instead of refusing")
+def test_train_spotter_refuses_a_device_torch_does_not_see():
+    import re
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    for device, says in (("cuda", "--device cuda: torch .* sees 0 CUDA device"),
+                         ("gpu", "--device gpu: choose cpu, auto, cuda or cuda:N")):
+        done = subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--device", device, "--out",
+                               "/nonexistent/never_made"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and re.search(says, done.stderr), done.stderr

@@ -1,4 +1,4 @@
-"""Train the TESTR stand-in (third_party/testr) on `d2export synth text`, on the CPU.
+"""Train the TESTR stand-in (third_party/testr) on `d2export synth text`, on the CPU (or a GPU: --device cuda).
 
 The model code is the user's: d2export only provides the compiled attention op TESTR imports (its import hook, with
 a backward), as it does for export. Seeded; resumable (run it again with the same --out: it goes on from
@@ -90,6 +90,8 @@ def main(argv=None) -> int:
     ap.add_argument("--final-seed", type=int, default=1, help="seed of the held-out pictures --fixture scores")
     ap.add_argument("--final-count", type=int, default=200, help="held-out pictures --fixture scores")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (cuda where torch sees a GPU): the op's "
+                    "stand-in runs there with its backward")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs as detectron2 takes them")
     args = ap.parse_args(argv)
 
@@ -99,7 +101,18 @@ def main(argv=None) -> int:
 
     from d2export.patching import compiled_ops
 
-    compiled_ops.install(["testr._C"])  # TESTR's CUDA op on the CPU, with a backward
+    compiled_ops.install(["testr._C"])  # TESTR's CUDA op, on any device, with a backward
+    if args.device != "cpu":
+        import re
+
+        from d2export.building import UserError, resolve_device
+
+        if not re.fullmatch(r"auto|cuda(:\d+)?", args.device):
+            ap.error(f"--device {args.device}: choose cpu, auto, cuda or cuda:N")
+        try:
+            args.device = resolve_device(args.device)
+        except UserError as e:
+            ap.error(str(e).replace("export.device=", "--device ").replace("export.device", "--device"))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -118,7 +131,7 @@ def main(argv=None) -> int:
     cfg = get_cfg()
     cfg.merge_from_file(args.config)
     cfg.merge_from_list(args.overrides)
-    cfg.MODEL.DEVICE = "cpu"
+    cfg.MODEL.DEVICE = args.device
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = parse_size(args.size)
@@ -215,7 +228,8 @@ def machine() -> str:
 
     from d2export.cpu import describe_cpu
 
-    return f"{describe_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads"
+    gpu = f"; {torch.cuda.get_device_name()}" if torch.cuda.is_initialized() else ""
+    return f"{describe_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}"
 
 
 def write_fixture(path: Path, snapshot: Path, metrics: Path, record: dict) -> None:

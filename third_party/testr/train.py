@@ -60,8 +60,9 @@ def save_checkpoint(path, model, optimizer=None, iteration=0, **extra):
 
 
 def save_weights_fp16(path, model, iteration=0):
-    """The weights alone in float16 (half the size; loading copies them into the float32 model)."""
-    state = {k: v.half() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    """The weights alone in float16 (half the size; loading copies them into the float32 model), on the CPU
+    whatever device trained them."""
+    state = {k: (v.half() if v.is_floating_point() else v).cpu() for k, v in model.state_dict().items()}
     _atomic_save({"model": state, "iteration": iteration}, path)
 
 
