@@ -21,6 +21,57 @@ def test_reduce_range_only_where_the_cpu_lacks_vnni():
     assert "VNNI" in int8.reduce_range_for(["avx2"])[1]
 
 
+def test_static_int8_keeps_attention_products_float(tmp_path):
+    """onnxruntime's QDQ quantiser would take query-by-key and weights-by-value products (and the softmax between
+    them) with the weight MatMuls; static int8 quantises the weight MatMul alone."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["q"], name="/attn/q_proj/MatMul"),
+             helper.make_node("Transpose", ["q"], ["k"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "k"], ["logits"], name="/attn/MatMul"),
+             helper.make_node("Softmax", ["logits"], ["weights"], axis=-1),
+             helper.make_node("MatMul", ["weights", "q"], ["y"], name="/attn/MatMul_1")]
+    graph = helper.make_graph(nodes, "attention", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 8])],
+                              [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")])
+    src, dst = tmp_path / "float.onnx", tmp_path / "int8.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    assert int8.activation_matmuls(onnx.load(str(src))) == ["/attn/MatMul", "/attn/MatMul_1"]
+
+    class Feeds:  # what the calibrator asks of a reader, a few feeds a range
+        def __init__(self):
+            self.items, self.at, self.end = [{"x": rng.standard_normal((1, 6, 8)).astype(np.float32)}
+                                             for _ in range(4)], 0, 4
+
+        def __len__(self):
+            return len(self.items)
+
+        def set_range(self, start_index, end_index):
+            self.at, self.end = start_index, min(end_index, len(self.items))
+
+        def get_next(self):
+            self.at += 1
+            return self.items[self.at - 1] if self.at <= self.end else None
+
+    record = int8.quantize(src, dst, "static", (), ["avx512_vnni"], Feeds(), static_ops=("MatMul",))
+    model = onnx.load(str(dst))
+    dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    matmuls = {n.name: n for n in model.graph.node if n.op_type == "MatMul"}
+    assert matmuls["/attn/q_proj/MatMul"].input[1] in dequantized  # the weight product is int8
+    assert record.quantized == 1 and {"/attn/MatMul", "/attn/MatMul_1"} <= set(record.kept_float)
+    # and onnxruntime, fusing what the quantiser wrote, computes one product in integers and the softmax in float
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "as_run.onnx")
+    ort.InferenceSession(str(dst), options, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "as_run.onnx")).graph.node]
+    assert sum(op in int8.INTEGER_OPS + ("MatMulIntegerToFloat",) for op in ops) == 1, ops
+    assert "Softmax" in ops and "QLinearSoftmax" not in ops, ops
+
+
 def test_calibration_pictures_are_read_a_range_at_a_time(tmp_path):
     from PIL import Image
 

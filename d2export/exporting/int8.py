@@ -59,12 +59,25 @@ def float_nodes(model, op_types: Sequence[str], scopes: Sequence[str]) -> list[s
     return [n.name for n in model.graph.node if n.op_type in op_types and in_scope(n.name, scopes)]
 
 
+def activation_matmuls(model) -> list[str]:
+    """MatMuls whose second operand is not a weight (attention's query-by-key and weights-by-value products).
+    onnxruntime's QDQ quantiser ignores `MatMulConstBOnly` (only its QOperator and dynamic paths read it): static int8
+    named these here, or it quantised them and the softmax between them with them (60 products and 24 softmaxes of
+    the R-50 spotter's decoder)."""
+    constant = {t.name for t in model.graph.initializer}
+    constant |= {o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] not in constant]
+
+
 INTEGER_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "ConvInteger", "QLinearConv", "QLinearMatMul")
 
 
 def quantized_count(model) -> int:
-    """Operators that compute in int8: integer ones (dynamic), or float ones fed a dequantised weight (QDQ)."""
-    dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    """Operators that compute in int8: integer ones (dynamic), or float ones fed a dequantised weight (QDQ; an
+    activation that passed through QuantizeLinear is not a weight)."""
+    weights = {t.name for t in model.graph.initializer}
+    dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in weights
+                   for o in n.output}
     return sum(n.op_type in INTEGER_OPS or (n.op_type in ("Conv", "MatMul", "Gemm") and len(n.input) > 1
                                             and n.input[1] in dequantized) for n in model.graph.node)
 
@@ -134,9 +147,12 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
         pre = Path(tmp) / "pre.onnx"
         # shapes are dynamic: ONNX's inference alone; the optimising session cannot load custom operators
         quant_pre_process(str(src), str(pre), skip_symbolic_shape=True, skip_optimization=bool(custom))
-        kept = float_nodes(onnx.load(str(pre), load_external_data=False), op_types, scopes)
+        prepared = onnx.load(str(pre), load_external_data=False)
+        kept = float_nodes(prepared, op_types, scopes)
         # weight MatMuls only: attention's activation x activation products stay float
         options = {"MatMulConstBOnly": True}
+        if mode == "static":
+            kept += [name for name in activation_matmuls(prepared) if name not in kept]
         if mode == "dynamic":
             quantize_dynamic(str(pre), str(dst), op_types_to_quantize=op_types, per_channel=False,
                              reduce_range=reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=kept,
@@ -150,7 +166,10 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
             if method not in methods:
                 raise ValueError(f"export.calibration.method={method!r}: choose one of {METHODS}")
             # one picture at a time through the calibrator, its ranges or histograms kept, its tensors dropped
-            options |= {"CalibStridedMinMax": 1, "ActivationSymmetric": False, "WeightSymmetric": True}
+            options |= {"CalibStridedMinMax": 1, "ActivationSymmetric": False, "WeightSymmetric": True,
+                        # products leave in float: a quantised output would reach the attention products and the
+                        # softmax after them in int8, which onnxruntime then fuses into integer ops
+                        "OpTypesToExcludeOutputQuantization": list(op_types)}
             quantize_static(str(pre), str(dst), pictures, quant_format=QuantFormat.QDQ, op_types_to_quantize=op_types,
                             per_channel=True, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
                             weight_type=QuantType.QInt8, nodes_to_exclude=kept,
