@@ -167,9 +167,10 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
                 raise ValueError(f"export.calibration.method={method!r}: choose one of {METHODS}")
             # one picture at a time through the calibrator, its ranges or histograms kept, its tensors dropped
             options |= {"CalibStridedMinMax": 1, "ActivationSymmetric": False, "WeightSymmetric": True,
-                        # products leave in float: a quantised output would reach the attention products and the
-                        # softmax after them in int8, which onnxruntime then fuses into integer ops
-                        "OpTypesToExcludeOutputQuantization": list(op_types)}
+                        # MatMul products leave in float: a quantised output would reach the attention products and
+                        # the softmax after them in int8, which onnxruntime then fuses into integer ops (Conv keeps its
+                        # quantised output: onnxruntime's integer convolution, QLinearConv, needs it)
+                        "OpTypesToExcludeOutputQuantization": ["MatMul"]}
             quantize_static(str(pre), str(dst), pictures, quant_format=QuantFormat.QDQ, op_types_to_quantize=op_types,
                             per_channel=True, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
                             weight_type=QuantType.QInt8, nodes_to_exclude=kept,
