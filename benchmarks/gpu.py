@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import gc
+import json
 import os
 import re
 import statistics
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.e2e import parity
 from d2export.cli import parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,20 +238,6 @@ def placement(path: Path, feed: dict, tmp: Path) -> dict:
     cpu_ms = sum(e["dur"] for e in nodes if e["args"].get("provider") == "CPUExecutionProvider") / 1e3
     return {"nodes": dict(by_provider), "copies": sum(copies.values()), "copies_by_kind": dict(copies),
             "cpu_ops": dict(on_cpu.most_common(8)), "cpu_nodes_ms": cpu_ms}
-
-
-def parity(names, reference, outputs) -> dict:
-    """Per slot: floats max abs difference, integers the fraction agreeing."""
-    row = {}
-    for name, ref, out in zip(names, reference, outputs):
-        ref, out = np.asarray(ref), np.asarray(out)
-        if ref.shape != out.shape:
-            row[name] = f"shape {out.shape} vs {ref.shape}"
-        elif ref.dtype.kind == "f":
-            row[name] = float(np.abs(ref.astype(np.float64) - out.astype(np.float64)).max(initial=0.0))
-        else:
-            row[name + "_agree"] = float((ref == out).mean()) if ref.size else 1.0
-    return row
 
 
 def guarded(label: str, fn, *args, **kwargs):

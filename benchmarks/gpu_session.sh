@@ -23,6 +23,10 @@ SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
 export LD_LIBRARY_PATH=$(find "$SP/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
 refresh_repo() { rm -rf $W/repo && mkdir -p $W/repo && tar --exclude='./.gpu*' -cf - . | tar -xf - -C $W/repo; }
 in_repo() { (cd $W/repo && PYTHONPATH=$W/repo:/tmp/ortsite:/tmp/site "$@"); }
+install_site() {  # the carried dependencies (.gpu/whl, .gpu/site) into /tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl \
+    && cp -r .gpu/site/. /tmp/site/
+}
 
 case "${1:-}" in
 pack)
@@ -53,9 +57,7 @@ pack)
   ;;
 prep)
   cp .gpu1/ort.part1 /tmp/stash/
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
-  cp -r .gpu/site/. /tmp/site/ && cp -r .gpu/msda_upstream $W/
-  refresh_repo
+  install_site && cp -r .gpu/msda_upstream $W/ && refresh_repo || exit 1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   in_repo python3 -c "import torch, onnxruntime, detectron2, d2export.pipeline; print('torch', torch.__version__, \
 torch.version.cuda, torch.cuda.get_device_name(0), 'onnxruntime', onnxruntime.__version__)" || exit 1
@@ -97,8 +99,7 @@ run)
   ;;
 train)  # (carry .gpu) MINUTES [KEY VALUE ...]: issue 42's unblock — the micro spotter warm-started from the fixture,
         # trained on the GPU; its last float16 weights and its curve come back under $OUT (7.5 MB)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl || exit 1
-  cp -r .gpu/site/. /tmp/site/ && refresh_repo
+  install_site && refresh_repo || exit 1
   in_repo python3 tools/train_spotter.py --device cuda --threads 8 --out $W/spotter \
     --config third_party/testr/configs/micro_spotter.yaml --init tests/data/spotter_fixture.pth --train-count 2000 \
     --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "${2:-6}" --eval-every 1000 "${@:3}" 2>&1 \

@@ -13,6 +13,8 @@ from d2export.ops import SAMPLERS
 
 EXPORTERS = ("torchscript", "dynamo")
 TARGETS = ("onnxruntime", "tensorrt")
+# where a model is built and run: export.device, and train_spotter --device
+DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
 OPSETS = {"onnxruntime": (11, 21), "tensorrt": (16, 19)}  # TensorRT mishandles GridSample 'linear' at >= 20
 
 
@@ -189,7 +191,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
     _one_of("export.exporter", e.exporter, EXPORTERS)
     _one_of("export.target", e.target, TARGETS)
     _one_of("export.sampler", e.sampler, SAMPLERS)
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", e.device):
+    if not DEVICE_NAMES.fullmatch(e.device):
         raise ConfigError(f"export.device={e.device!r}: choose auto, cpu, cuda or cuda:N")
     if e.opset is None:
         e.opset = default_opset(e.target)

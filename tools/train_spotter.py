@@ -103,11 +103,10 @@ def main(argv=None) -> int:
 
     compiled_ops.install(["testr._C"])  # TESTR's CUDA op, on any device, with a backward
     if args.device != "cpu":
-        import re
-
         from d2export.building import UserError, resolve_device
+        from d2export.config import DEVICE_NAMES
 
-        if not re.fullmatch(r"auto|cuda(:\d+)?", args.device):
+        if not DEVICE_NAMES.fullmatch(args.device):
             ap.error(f"--device {args.device}: choose cpu, auto, cuda or cuda:N")
         try:
             args.device = resolve_device(args.device)
