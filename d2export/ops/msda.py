@@ -32,7 +32,9 @@ from ._bilinear import bilinear_window
 from .level_shapes import level_shapes, level_starts, static_size
 
 EXPORT_DEFAULT = "gather"
-# the gather sampler's queries are processed in this many pieces (peak memory / QUERY_CHUNKS; see _gather)
+# the gather sampler's queries are processed in this many pieces (peak memory / QUERY_CHUNKS; see _gather). More,
+# smaller pieces (64, 128: a piece's gathered pixels then stay in the caches) made one encoder call 20-30% faster but
+# measured no faster end to end in the R-50 spotter (docs/performance.md), for 1,150-2,700 more nodes.
 QUERY_CHUNKS = 16
 
 _export_sampler = contextvars.ContextVar("d2export_msda_export_sampler", default=EXPORT_DEFAULT)
@@ -158,14 +160,38 @@ def _gather(value, spatial_shapes, level_start_index, sampling_locations, attent
     # one piece at a time. The bounds are computed from Lq, so the graph stays size-general; heads, taps and D are the
     # model's structure, constants in the graph, so a piece's reshapes cost no shape arithmetic.
     m, d, taps = static_size(m), static_size(d), static_size(taps)
-    rows = rows.reshape(rows.shape[0] * rows.shape[1], -1)  # [N * Lq, indices per query]
+    rows = rows.reshape(-1, m, taps)  # [N * Lq, M, taps]
     weight = weight.reshape(-1, m, 1, taps)
-    out = []
-    for i in range(pieces):
-        first, last = (None, None) if pieces == 1 else (lq * n * i // pieces, lq * n * (i + 1) // pieces)
-        sampled = pixels.index_select(0, rows[first:last].reshape(-1)).view(-1, m, taps, d)
-        out.append(torch.matmul(weight[first:last], sampled))  # [q, M, 1, D]
+    out = [torch.matmul(w, F.embedding(r, pixels)) for r, w in _pieces(rows, weight, pieces)]  # [q, M, 1, D] each
     return (out[0] if pieces == 1 else torch.cat(out, 0)).view(n, lq, m * d)
+
+
+def _pieces(rows: torch.Tensor, weight: torch.Tensor, pieces: int) -> list:
+    """(rows, weight) cut into `pieces` consecutive parts along dim 0, some possibly empty."""
+    if pieces == 1:
+        return [(rows, weight)]
+    if not torch.jit.is_tracing():  # eagerly and under torch.export: sizes are ints or SymInts
+        bounds = [rows.shape[0] * i // pieces for i in range(pieces + 1)]
+        return [(rows[a:b], weight[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    # TorchScript: every bound at once, then one Slice per operand and piece (slicing at 0-d traced bounds costs
+    # casts, unsqueezes and a division per piece and operand: 2,285 of the R-50 spotter's 14,599 nodes)
+    total = torch._shape_as_tensor(rows)[:1]  # on the CPU, like the bounds: sizes, wherever rows lives
+    bounds = torch.div(torch.arange(pieces + 1) * total, pieces, rounding_mode="trunc")
+    starts, axes = bounds.split(1), torch.zeros(1, dtype=torch.long)  # one Split, one constant
+    return [(_Rows.apply(rows, a, b, axes), _Rows.apply(weight, a, b, axes)) for a, b in zip(starts[:-1], starts[1:])]
+
+
+class _Rows(torch.autograd.Function):
+    """x[start:end] along dim 0 for 1-element int64 tensors start and end (axes: [0]), exported as one Slice node."""
+
+    @staticmethod
+    def forward(ctx, x, start, end, axes):
+        with _untraced():
+            return x[int(start):int(end)]
+
+    @staticmethod
+    def symbolic(g, x, start, end, axes):
+        return g.op("Slice", x, start, end, axes)
 
 
 def _self_attention(len_q, len_in) -> bool:
