@@ -157,6 +157,21 @@ def test_onnx_parity_at_other_sizes(sampler, opset, lq):
         _close(_run(model, args), msda_reference(*args), 2e-6)
 
 
+def test_torchscript_trace_is_savable_and_size_general():
+    """torch.jit.trace (detectron2's tracing export) records the gather sampler in pieces with plain slices: the
+    module saves, loads and is exact at other sizes and batches (the ONNX exporter's one-Slice pieces are a Python
+    Function, which a saved TorchScript module could not hold)."""
+    lq = sum(h * w for h, w in EXPORT_SHAPES)
+    args = random_msda_inputs(EXPORT_SHAPES, n=2, lq=lq, heads=2, dim=4, points=3)
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.trace(_Core(), args, check_trace=False), buf)
+    buf.seek(0)
+    traced = torch.jit.load(buf)
+    for i, (shapes, n, _) in enumerate(RUN_SHAPES):
+        args = random_msda_inputs(shapes, n=n, lq=sum(h * w for h, w in shapes), heads=2, dim=4, points=3, seed=20 + i)
+        _close(traced(*args), msda_reference(*args), 2e-6)
+
+
 def test_only_self_attention_is_gathered_in_pieces():
     """Queries that are the value's own tokens (Lq = S, an encoder) grow with the image and are gathered in pieces;
     a decoder's fixed query count is not."""

@@ -170,11 +170,14 @@ def _pieces(rows: torch.Tensor, weight: torch.Tensor, pieces: int) -> list:
     """(rows, weight) cut into `pieces` consecutive parts along dim 0, some possibly empty."""
     if pieces == 1:
         return [(rows, weight)]
-    if not torch.jit.is_tracing():  # eagerly and under torch.export: sizes are ints or SymInts
+    if not (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()):
+        # eagerly, under torch.export (SymInts) and torch.jit.trace (traced sizes; a saved TorchScript module cannot
+        # hold the Python Function below)
         bounds = [rows.shape[0] * i // pieces for i in range(pieces + 1)]
         return [(rows[a:b], weight[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    # TorchScript: every bound at once, then one Slice per operand and piece (slicing at 0-d traced bounds costs
-    # casts, unsqueezes and a division per piece and operand: 2,285 of the R-50 spotter's 14,599 nodes)
+    # the TorchScript-based ONNX exporter: every bound at once, then one Slice per operand and piece (slicing at 0-d
+    # traced bounds costs casts, unsqueezes and a division per piece and operand: 2,285 of the R-50 spotter's 14,599
+    # nodes)
     total = torch._shape_as_tensor(rows)[:1]  # on the CPU, like the bounds: sizes, wherever rows lives
     bounds = torch.div(torch.arange(pieces + 1) * total, pieces, rounding_mode="trunc")
     starts, axes = bounds.split(1), torch.zeros(1, dtype=torch.long)  # one Split, one constant
