@@ -149,6 +149,8 @@ FORMULATIONS = {
     "fused kernel alone, every point at one pixel": (None, "kernel, one pixel"),
 }
 NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
+DYNAMIC_AXES = {"value": {0: "batch", 1: "tokens"}, "spatial_shapes": {0: "levels"}, "level_start_index": {0: "levels"},
+                "sampling_locations": {0: "batch", 1: "queries"}, "attention_weights": {0: "batch", 1: "queries"}}
 
 
 def build_runner(name, inputs, threads):
@@ -168,7 +170,10 @@ def build_runner(name, inputs, threads):
         return run
     import onnxruntime as ort
     buf = io.BytesIO()
-    torch.onnx.export(module, inputs, buf, input_names=NAMES, output_names=["out"], opset_version=how, dynamo=False)
+    # sizes dynamic, as in an exported model: with static ones the exporter folds the index arithmetic into int64
+    # constants, and the gather rows would time a graph no model exports
+    torch.onnx.export(module, inputs, buf, input_names=NAMES, output_names=["out"], opset_version=how, dynamo=False,
+                      dynamic_axes=DYNAMIC_AXES)
     from d2export.runtime import custom_ops
 
     opts = ort.SessionOptions()
