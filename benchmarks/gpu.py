@@ -257,7 +257,7 @@ def main(argv=None):
     p.add_argument("--model", help="the float32 graph (default: export the config's gather graph into --out)")
     p.add_argument("--size", type=int, default=640, help="picture size (square)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
-    p.add_argument("--rounds", type=int, default=20, help="timed calls per row after 3 warm-up ones")
+    p.add_argument("--rounds", type=int, default=20, help="timed calls per row after 2 s of warm-up calls")
     p.add_argument("--upstream-msda", help="a folder with Deformable-DETR's MSDA sources (models/ops or its src/)")
     p.add_argument("--out", help="graphs, builds and profiles go here (default: a temporary directory)")
     p.add_argument("--simplified", action="store_true", help="also the float32 graph through onnxslim (as "

@@ -20,16 +20,17 @@ log = logging.getLogger(__name__)
 
 
 
-def resolve_device(name: str) -> str:
-    """export.device → a torch device name: auto is cuda where torch sees a GPU, else cpu."""
+def resolve_device(name: str, option: str = "export.device=") -> str:
+    """export.device (or another `option` naming a device) → a torch device name: auto is cuda where torch sees a
+    GPU, else cpu."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
         index = int(name.partition(":")[2] or 0)
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if index >= count:
-            raise UserError(f"export.device={name}: torch {torch.__version__} sees {count} CUDA device(s) (built for "
-                            f"CUDA {torch.version.cuda or 'none'}); use export.device=cpu or auto")
+            raise UserError(f"{option}{name}: torch {torch.__version__} sees {count} CUDA device(s) (built for "
+                            f"CUDA {torch.version.cuda or 'none'}); use {option}cpu or auto")
     return name
 
 

@@ -35,9 +35,11 @@ class _Core(torch.nn.Module):
 
 
 def _export(sampler, args, opset=17) -> bytes:
+    """The graph of `sampler` (a name, or a module taking the five MSDA inputs), every axis dynamic."""
     buf = io.BytesIO()
     axes = {n: {i: f"{n}_{i}" for i in range(a.dim())} for n, a in zip(NAMES, args)}
-    torch.onnx.export(_Core(sampler), args, buf, input_names=NAMES, output_names=["out"], opset_version=opset,
+    module = sampler if isinstance(sampler, torch.nn.Module) else _Core(sampler)
+    torch.onnx.export(module, args, buf, input_names=NAMES, output_names=["out"], opset_version=opset,
                       dynamic_axes=axes, dynamo=False)
     return buf.getvalue()
 
@@ -291,11 +293,8 @@ def test_each_piece_of_the_chunked_gather_costs_four_nodes():
             return _gather(*args, chunks=self.chunks)
 
     def node_count(chunks):
-        buf, args = io.BytesIO(), _self_attention_args([(6, 5), (3, 3)], n=1)
-        axes = {n: {i: f"{n}_{i}" for i in range(a.dim())} for n, a in zip(NAMES, args)}
-        torch.onnx.export(Chunked(chunks), args, buf, input_names=NAMES, output_names=["out"], opset_version=17,
-                          dynamic_axes=axes, dynamo=False)
-        return collections.Counter(n.op_type for n in onnx.load_from_string(buf.getvalue()).graph.node)
+        model = _export(Chunked(chunks), _self_attention_args([(6, 5), (3, 3)], n=1))
+        return collections.Counter(n.op_type for n in onnx.load_from_string(model).graph.node)
 
     few, many = node_count(4), node_count(12)
     extra = {op: many[op] - few[op] for op in many if many[op] != few[op]}

@@ -109,9 +109,9 @@ def main(argv=None) -> int:
         if not DEVICE_NAMES.fullmatch(args.device):
             ap.error(f"--device {args.device}: choose cpu, auto, cuda or cuda:N")
         try:
-            args.device = resolve_device(args.device)
+            args.device = resolve_device(args.device, option="--device ")
         except UserError as e:
-            ap.error(str(e).replace("export.device=", "--device ").replace("export.device", "--device"))
+            ap.error(str(e))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
