@@ -236,7 +236,10 @@ def load_weights(net: torch.nn.Module, model: ModelConfig, root: Path) -> dict:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise UserError(f"model.weights {path}: not a readable checkpoint ({type(e).__name__}: {first})") from None
     incompatible = checkpointer.incompatible
-    fit = {"missing": list(incompatible.missing_keys), "unexpected": list(incompatible.unexpected_keys),
+    # BatchNorm's step counter is read only in training: weights trained with frozen norms (FrozenBatchNorm2d keeps
+    # none) fit a model whose norms are BatchNorm
+    missing = [k for k in incompatible.missing_keys if not k.endswith(".num_batches_tracked")]
+    fit = {"missing": missing, "unexpected": list(incompatible.unexpected_keys),
            "mismatched": [f"{k} {tuple(has)} vs model {tuple(wants)}"
                           for k, has, wants in incompatible.incorrect_shapes]}
     if any(fit.values()):

@@ -135,3 +135,21 @@ def test_two_exports_cannot_write_one_destination(tmp_path):
         with pytest.raises(building.UserError, match=f"another export \\(pid {os.getpid()}\\) is writing"):
             pipeline.export(cfg)
     assert listing(tmp_path) == {".model.onnx.lock"}
+
+
+def test_weights_without_batchnorm_step_counters_fit_and_nothing_else_missing_does(tmp_path):
+    """Weights trained with frozen norms (FrozenBatchNorm2d keeps no step counter) fit a model whose norms are
+    BatchNorm: same values, nothing reported missing; a missing running mean still refuses."""
+    from d2export.config import ModelConfig
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    state = {k: torch.rand_like(v.float()).to(v.dtype) for k, v in net.state_dict().items()
+             if not k.endswith("num_batches_tracked")}
+    torch.save({"model": state}, tmp_path / "frozen.pth")
+    fresh = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    record = building.load_weights(fresh, ModelConfig(weights="frozen.pth"), tmp_path)
+    assert record["missing"] == [] and all(torch.equal(fresh.state_dict()[k], v) for k, v in state.items())
+    del state["1.running_mean"]
+    torch.save({"model": state}, tmp_path / "partial.pth")
+    with pytest.raises(building.UserError, match="1 missing"):
+        building.load_weights(fresh, ModelConfig(weights="partial.pth"), tmp_path)

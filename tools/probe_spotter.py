@@ -75,7 +75,7 @@ def reference_placement(model, mapper, records, truth: dict | None = None) -> di
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="log.jsonl and result.json go here")
+    ap.add_argument("--out", required=True, help="log.jsonl, result.json and the weights (model.pth) go here")
     ap.add_argument("--config", default=str(REPO / "third_party/testr/configs/micro.yaml"))
     ap.add_argument("--data", default="outputs/probe/data", help="the training pictures (made if absent)")
     ap.add_argument("--count", type=int, default=1000, help="training pictures")
@@ -145,6 +145,9 @@ def main(argv=None) -> int:
                 log.flush()
                 print(row, flush=True)
                 sums = {}
+    from testr.train import save_checkpoint
+
+    save_checkpoint(out / "model.pth", model, iteration=step)  # a probe that decides may seed the long run
     result = {"steps": step, **reference_placement(model, mapper, records[:60], truth)}
     if args.eval_count:  # what the probe's weights read on pictures it never trained on
         from d2export.charset import charset

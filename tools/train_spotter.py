@@ -6,7 +6,11 @@ last.pth); a progress bar with the losses; every --eval-every iterations d2expor
 end-to-end H-mean) on the evaluation pictures; float16 weight snapshots of a few MB.
 
     python tools/train_spotter.py --out outputs/spotter_overfit --train-count 32 --eval-on train --iters 400
-    python tools/train_spotter.py --out outputs/spotter --train-count 2000 --minutes 75
+    python tools/train_spotter.py --out outputs/spotter --minutes 75
+
+By default the training pictures are an endless stream drawn on the fly by --workers processes (picture i of the
+stream is picture i of `d2export synth text --seed 0`; nothing is seen twice); --train-count N trains on a fixed
+set of N pictures written to disk instead.
 
 With --fixture, a run that has reached --iters scores its float16 weights (run in float32, as they ship) on
 --final-count pictures of --final-seed, a seed neither trained nor tuned on, and writes them with their record
@@ -71,7 +75,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(REPO / "third_party/testr/configs/micro.yaml"), help="TESTR config")
     ap.add_argument("--out", default="outputs/spotter", help="checkpoints, metrics and the synthetic sets")
-    ap.add_argument("--train-count", type=int, default=2000, help="training pictures")
+    ap.add_argument("--train-count", type=int, default=0,
+                    help="train on a fixed set of this many pictures (0: an endless stream drawn on the fly)")
+    ap.add_argument("--workers", type=int, default=2, help="processes drawing the stream's batches (0: this one)")
     ap.add_argument("--eval-count", type=int, default=100, help="held-out pictures (another seed)")
     ap.add_argument("--eval-seed", type=int, default=2,
                     help="seed of the pictures evaluated during training (tuning; keep another for final claims)")
@@ -136,14 +142,17 @@ def main(argv=None) -> int:
     size = parse_size(args.size)
     sets = {"train": ("synth_text_train", 0, args.train_count),
             "held_out": ("synth_text_held_out", args.eval_seed, args.eval_count)}
+    if args.eval_on == "train" and not args.train_count:
+        ap.error("--eval-on train needs a fixed set: give --train-count")
     for key, (name, seed, count) in sets.items():
+        if not count:
+            continue
         folder = out / "data" / key
         if not (folder / "annotations.json").is_file():
             generate("text", folder, count=count, seed=seed, size=size)
         register(name, folder)
     from detectron2.data import DatasetCatalog
 
-    train_records = DatasetCatalog.get(sets["train"][0])
     eval_name = sets[args.eval_on][0]
     eval_records = DatasetCatalog.get(eval_name)
 
@@ -166,7 +175,17 @@ def main(argv=None) -> int:
     log = open(metrics, "a")
     began = time.time()
     started = began - max((r["seconds"] for r in earlier if r["iter"] <= start), default=0.0)  # one clock for all runs
-    stream = batches(train_records, mapper, args.batch or cfg.SOLVER.IMS_PER_BATCH, args.seed, start)
+    per_step = args.batch or cfg.SOLVER.IMS_PER_BATCH
+    if args.train_count:
+        stream = batches(DatasetCatalog.get(sets["train"][0]), mapper, per_step, args.seed, start)
+    else:
+        from functools import partial
+
+        from testr.data.stream import stream as drawn
+
+        from d2export.datasets.catalog import text_record
+
+        stream = drawn(partial(text_record, 0, size=size), mapper, per_step, args.seed, start, args.workers)
     bar = tqdm(range(start, args.iters), initial=start, total=args.iters, desc="train", dynamic_ncols=True)
     it = start
     for it in bar:
@@ -205,7 +224,7 @@ def main(argv=None) -> int:
         write_fixture(Path(args.fixture), snapshot, out / "metrics.jsonl", {
             "config": str(Path(args.config).resolve().relative_to(REPO)), "overrides": args.overrides,
             "iterations": args.iters, "seed": args.seed,
-            "train": {"count": args.train_count, "seed": 0, "size": args.size},
+            "train": {"count": args.train_count or "stream", "seed": 0, "size": args.size},
             "validation": {"count": args.eval_count, "seed": args.eval_seed, "size": args.size},
             "held_out": {"count": args.final_count, "seed": args.final_seed, "size": args.size, **held_out,
                          "det_hmean_by_threshold": sweep},

@@ -55,3 +55,22 @@ def register_json(name: str, json_file: str | Path, image_root: str | Path) -> s
     else:
         register_coco_instances(name, {}, json_file, image_root)
     return name
+
+
+def text_record(seed: int, index: int, size: tuple[int, int]) -> dict:
+    """Picture `index` of the text set of `seed` as detectron2's dataset dict, drawn in memory: the same JPEG bytes
+    `d2export synth text` writes for it, decoded (RGB, under "image"), with the fields `load_text` gives its record.
+    Training streams these (an endless seeded set, nothing on disk)."""
+    import cv2
+    import numpy as np
+    from detectron2.structures import BoxMode
+
+    from d2export.datasets.synth import _picture
+
+    width, height = size
+    jpeg, anns = _picture(("text", seed, index, width, height))
+    image = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)[..., ::-1]
+    objs = [{**a, "bbox_mode": BoxMode.XYWH_ABS, "category_id": a["category_id"] - 1,  # the only category: text
+             **{alias: a[key] for key, alias in TEXT_FIELDS.items() if key in a}} for a in anns]
+    return {"image": np.ascontiguousarray(image), "height": height, "width": width, "image_id": index + 1,
+            "annotations": objs}

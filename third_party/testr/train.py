@@ -67,9 +67,13 @@ def save_weights_fp16(path, model, iteration=0):
 
 
 def load_checkpoint(path, model, optimizer=None):
-    """Loads strictly; returns the iteration it was written at."""
+    """Loads strictly, but for BatchNorm's step counters: weights trained with frozen norms (FrozenBatchNorm2d has
+    none) warm-start a model whose norms train. Returns the iteration it was written at."""
     state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"], strict=True)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+    if missing or unexpected:
+        raise RuntimeError(f"{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if optimizer is not None and "optimizer" in state:
         optimizer.load_state_dict(state["optimizer"])
     return int(state.get("iteration", 0))

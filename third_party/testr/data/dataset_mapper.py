@@ -18,7 +18,11 @@ class DatasetMapperWithBasis:
 
     def __call__(self, dataset_dict):
         record = copy.deepcopy(dataset_dict)
-        image = d2_utils.read_image(record["file_name"], format=self.image_format)
+        image = record.pop("image", None)  # a picture drawn in memory (RGB) has no file to read
+        if image is None:
+            image = d2_utils.read_image(record["file_name"], format=self.image_format)
+        elif self.image_format == "BGR":
+            image = image[..., ::-1]
         d2_utils.check_image_size(record, image)
         aug = T.AugInput(image)
         transforms = self.augmentation(aug)

@@ -152,10 +152,14 @@ class TransformerDetector(nn.Module):
         """Per image: labels, control points (polygons or Beziers, as the model predicts them) and (cx, cy, w, h)
         boxes relative to the unpadded image, and the character ids."""
         prepared = []
+        field = "polygons" if self.use_polygon else "beziers"
         for t in targets:
             h, w = t.image_size
             scale = torch.as_tensor([w, h], dtype=torch.float32, device=self.device)
-            points = (t.polygons if self.use_polygon else t.beziers).view(len(t), -1, 2) / scale
+            if not t.has(field):  # a picture without words: the mapper had no annotation to make the fields from
+                t.set(field, torch.zeros(0, self.testr.num_ctrl_points * 2, device=self.device))
+                t.text = torch.zeros(0, self.testr.max_text_len, dtype=torch.int32, device=self.device)
+            points = t.get(field).view(len(t), self.testr.num_ctrl_points, 2) / scale
             boxes = box_convert(t.gt_boxes.tensor / scale.repeat(2), "xyxy", "cxcywh")
             # the sets store 25 character slots; a model with fewer text queries (NUM_CHARS) learns the first ones
             texts = t.text[:, :self.testr.max_text_len]

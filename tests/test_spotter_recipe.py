@@ -1,0 +1,172 @@
+"""The micro spotter's training recipe (third_party/testr/configs/micro*.yaml): a model trained from scratch freezes
+nothing and keeps no frozen norms on random weights; the text branch's sampling offsets learn at the full rate; a
+picture without words trains; weights trained with frozen norms warm-start a model whose norms train."""
+from pathlib import Path
+
+import pytest
+import torch
+
+import testr_c_shim
+
+testr_c_shim.install()
+import testr  # noqa: E402,F401
+from testr.config import get_cfg  # noqa: E402
+
+CONFIGS = Path(testr.__file__).parent / "configs"
+FROM_SCRATCH = ["micro.yaml", "micro_spotter.yaml"]
+
+
+def _cfg(name, *overrides):
+    cfg = get_cfg()
+    cfg.merge_from_file(str(CONFIGS / name))
+    cfg.merge_from_list(list(overrides))
+    cfg.MODEL.DEVICE = "cpu"
+    return cfg
+
+
+def _model(cfg):
+    from detectron2.modeling import build_model
+
+    torch.manual_seed(0)
+    return build_model(cfg)
+
+
+@pytest.mark.parametrize("name", FROM_SCRATCH)
+def test_a_from_scratch_config_freezes_nothing(name):
+    from detectron2.layers import FrozenBatchNorm2d
+
+    model = _model(_cfg(name))
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == []
+    assert not [n for n, m in model.named_modules() if isinstance(m, FrozenBatchNorm2d)]
+    assert any("stem" in n for n, _ in model.named_parameters())
+
+
+def test_the_frozen_recipe_is_what_the_test_above_refuses():
+    """detectron2's default FREEZE_AT 2 (the recipe before this one): the stem and res2 frozen, FrozenBatchNorm2d."""
+    from detectron2.layers import FrozenBatchNorm2d
+
+    model = _model(_cfg("micro.yaml", "MODEL.BACKBONE.FREEZE_AT", "2"))
+    assert [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert [n for n, m in model.named_modules() if isinstance(m, FrozenBatchNorm2d)]
+
+
+@pytest.mark.parametrize("name", FROM_SCRATCH)
+def test_the_text_branch_sampling_offsets_learn_at_the_base_rate(name):
+    from testr.train import build_optimizer
+
+    cfg = _cfg(name)
+    model = _model(cfg)
+    rate = {id(p): g["lr"] for g in build_optimizer(cfg, model).param_groups for p in g["params"]}
+    offsets = {n: rate[id(p)] for n, p in model.named_parameters() if "sampling_offsets" in n}
+    text = {n: r for n, r in offsets.items() if "text" in n}
+    assert text, sorted(offsets)  # the composite decoder's text branch has its own attention
+    assert set(offsets.values()) == {cfg.SOLVER.BASE_LR}
+    old = _cfg(name, "SOLVER.LR_LINEAR_PROJ_MULT", "0.1")
+    old_rates = {g["name"]: g["lr"] for g in build_optimizer(old, _model(old)).param_groups}
+    assert old_rates["linear_proj"] == pytest.approx(0.1 * old.SOLVER.BASE_LR)  # the multiplier is what moves them
+
+
+def _picture(words: int, h=96, w=128):
+    from detectron2.structures import Boxes, Instances
+
+    inst = Instances((h, w))
+    boxes = torch.tensor([[10.0, 12, 90, 40], [20, 50, 110, 80]])[:words]
+    inst.gt_boxes, inst.gt_classes = Boxes(boxes), torch.zeros(words, dtype=torch.int64)
+    if words:
+        t = torch.linspace(0, 1, 8)
+        inst.polygons = torch.stack([torch.cat([torch.stack([x0 + t * (x1 - x0), y0 + 0 * t], 1),
+                                                torch.stack([x1 - t * (x1 - x0), y1 + 0 * t], 1)]).flatten()
+                                     for x0, y0, x1, y1 in boxes.tolist()])
+        inst.text = torch.randint(0, 96, (words, 25), dtype=torch.int32)
+    return {"image": torch.rand(3, h, w) * 255, "instances": inst}
+
+
+def test_a_picture_without_words_trains(monkeypatch):
+    """The mapper gives a picture without annotations an Instances without text fields; the batch still trains."""
+    import math
+
+    from testr.data import DatasetMapperWithBasis
+    from testr.layers import ms_deform_attn
+    from testr.train import build_optimizer, train_step
+
+    from d2export.patching.compiled_ops import make_stand_in
+
+    monkeypatch.setattr(ms_deform_attn, "_C", make_stand_in("testr._C"))
+    cfg = _cfg("micro.yaml", "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1")
+    model = _model(cfg)
+    empty = _picture(0)
+    assert not empty["instances"].has("polygons")  # as the mapper leaves such a picture (checked below)
+    losses = train_step(model, build_optimizer(cfg, model), [_picture(2), empty])
+    assert all(math.isfinite(v) for v in losses.values()), losses
+    only_empty = train_step(model, build_optimizer(cfg, model), [_picture(0)])
+    assert math.isfinite(only_empty["total"])
+
+
+def test_the_mapper_leaves_a_picture_without_words_without_text_fields(tmp_path):
+    import numpy as np
+    from PIL import Image
+    from testr.data import DatasetMapperWithBasis
+
+    Image.fromarray(np.zeros((64, 80, 3), np.uint8)).save(tmp_path / "a.png")
+    cfg = _cfg("micro.yaml")
+    record = DatasetMapperWithBasis(cfg, is_train=True)({"file_name": str(tmp_path / "a.png"), "height": 64,
+                                                         "width": 80, "image_id": 0, "annotations": []})
+    assert len(record["instances"]) == 0 and not record["instances"].has("polygons")
+
+
+def test_frozen_norm_weights_warm_start_a_model_whose_norms_train(tmp_path):
+    """A checkpoint of the frozen recipe (no BatchNorm step counters) loads into today's; anything else missing
+    still refuses."""
+    from testr.train import load_checkpoint, save_checkpoint
+
+    old = _model(_cfg("micro.yaml", "MODEL.BACKBONE.FREEZE_AT", "2"))
+    save_checkpoint(tmp_path / "old.pth", old)
+    new = _model(_cfg("micro.yaml"))
+    load_checkpoint(tmp_path / "old.pth", new)
+    for k, v in old.state_dict().items():
+        assert torch.equal(new.state_dict()[k], v), k
+    state = torch.load(tmp_path / "old.pth", weights_only=False)
+    del state["model"]["testr.ctrl_point_embed.weight"]
+    torch.save(state, tmp_path / "broken.pth")
+    with pytest.raises(RuntimeError, match="ctrl_point_embed"):
+        load_checkpoint(tmp_path / "broken.pth", new)
+
+
+def test_the_stream_draws_the_sets_pictures_in_order_whatever_the_workers(tmp_path):
+    """Stream picture i is picture i of `d2export synth text` of the same seed (same pixels, same labels as the
+    catalog loads them); its batches are the same with 0 or 2 workers, and a stream started at batch 2 begins with
+    the batch the first stream gave third."""
+    import numpy as np
+    from detectron2.data import DatasetCatalog
+    from functools import partial
+    from testr.data import DatasetMapperWithBasis
+    from testr.data.stream import stream
+
+    from d2export.datasets import generate, register
+    from d2export.datasets.catalog import text_record
+
+    size = (96, 64)
+    generate("text", tmp_path / "set", count=6, seed=3, size=size, workers=1)
+    on_disk = DatasetCatalog.get(register("stream_case", tmp_path / "set"))
+    for i in (0, 5):
+        drawn, saved = text_record(3, i, size), on_disk[i]
+        from detectron2.data.detection_utils import read_image
+
+        assert np.array_equal(drawn["image"], read_image(saved["file_name"], format="RGB"))
+        keep = ("bbox", "bbox_mode", "category_id", "polygons", "beziers", "text")
+        assert [{k: a[k] for k in keep} for a in drawn["annotations"]] == \
+            [{k: a[k] for k in keep} for a in saved["annotations"]]
+
+    cfg = _cfg("micro.yaml", "INPUT.MIN_SIZE_TRAIN", "(48, 64, 80)")
+    draw, mapper = partial(text_record, 3, size=size), DatasetMapperWithBasis(cfg, is_train=True)
+
+    def first(n, **kw):
+        it = stream(draw, mapper, 2, seed=7, **kw)
+        return [[(tuple(r["image"].shape), r["image_id"], len(r["instances"])) for r in next(it)] for _ in range(n)]
+
+    alone, shared = first(3, workers=0), first(3, workers=2)
+    assert alone == shared
+    assert [[i for _, i, _ in b] for b in alone] == [[1, 2], [3, 4], [5, 6]]  # image ids: index + 1
+    assert len({s for b in alone for s, _, _ in b}) > 1  # the training sizes are drawn
+    assert first(1, workers=0, start=2) == alone[2:]
