@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from d2export.cli import parser
+from d2export.commandline import parser
 
 
 def uptime() -> str:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2export.cli import parser
+from d2export.commandline import parser
 from d2export.runtime import custom_ops
 
 ROOT = Path(__file__).resolve().parent.parent

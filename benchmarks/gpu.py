@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.e2e import parity
-from d2export.cli import parser
+from d2export.commandline import parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.e2e import interleaved
-from d2export.cli import parser
+from d2export.commandline import parser
 from d2export.ops.msda import _gather, multi_scale_deformable_attention
 
 HEADS, DIM, LEVELS, POINTS = 8, 32, 4, 4

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 
-from d2export.cli import parser
+from d2export.commandline import parser
 
 
 def exported(config: str, out: Path) -> Path:

@@ -6,13 +6,14 @@ override grammar, and `--multirun` sweeps (ending in one table).
 """
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib
 import logging
 import sys
 from pathlib import Path
 from typing import Any
+
+from d2export.commandline import HelpFormatter, one_line, parser  # noqa: F401 - HelpFormatter: d2export.cli's name too
 
 log = logging.getLogger("d2export")
 
@@ -28,27 +29,6 @@ COMMANDS = {
                  "a dataset's metrics under PyTorch and each exported model, side by side"),
     "synth": ("d2export.datasets.synth:synth_main", "make a labelled synthetic set (text or boxes) as COCO JSON"),
 }
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Descriptions and epilogs as written; every option that takes a value shows its default (unless its help
-    already says what the default is)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
-            return text
-        return super()._get_help_string(action)
-
-
-def parser(prog: str, description: str, epilog: str | None = None, **kwargs) -> argparse.ArgumentParser:
-    """An argparse parser in d2export's style (defaults shown, text kept as written)."""
-    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter,
-                                   **kwargs)
-
-
-def one_line(e: BaseException) -> str:
-    return f"d2export: error: {e}".replace("\n", "\n  ") if str(e) else f"d2export: error: {type(e).__name__}"
 
 
 def run_export(cfg: Any) -> dict:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2export.cli import parser
+from d2export.commandline import parser
 from d2export.imaging import synthetic_image
 
 

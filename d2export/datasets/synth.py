@@ -123,7 +123,7 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
 
 
 def synth_main(argv: list[str] | None = None) -> int:
-    from d2export.cli import one_line, parser
+    from d2export.commandline import one_line, parser
 
     ap = parser("d2export synth", "Make a labelled synthetic set: pictures in DIR/images and COCO JSON in "
                 f"DIR/{ANNOTATIONS}. The same arguments give the same bytes.",

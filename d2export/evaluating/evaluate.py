@@ -300,7 +300,7 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    from d2export.cli import one_line, parser
+    from d2export.commandline import one_line, parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser("d2export evaluate", "Evaluate a dataset under PyTorch (--config) and each exported model, side by "

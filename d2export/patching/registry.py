@@ -1,6 +1,6 @@
 """The patch registry: declared, target-scoped, reversible patches that report what the export went through.
 
-A patch names what it replaces, why, and which targets need it (`Needs`). Five kinds, chosen by the keyword given to
+A patch names what it replaces, why, and which targets need it (`Needs`). Four kinds, chosen by the keyword given to
 `register_patch`:
 
 - ``function="torch.inverse"`` (or a tuple of dotted paths): a function, method or class attribute is replaced. The
@@ -12,10 +12,11 @@ A patch names what it replaces, why, and which targets need it (`Needs`). Five k
   the replacement is an ``nn.Module`` subclass, its ``__class__`` swapped (weights stay; detectron2's trick).
 - ``autograd="pkg.mod.SomeFunction"`` (or a predicate over classes): ``SomeFunction.apply`` is replaced. Aliases bound
   before the scope (``f = SomeFunction.apply``) are not caught.
-- ``module_import="pkg._C"``: a stand-in module (or a factory ``name -> module``) is served to imports of that name
-  through a `sys.meta_path` finder.
 - ``graph=True``: a pass over the exported ``onnx.ModelProto`` returning how many nodes it rewrote; the export
   pipeline runs it with `PatchReport.run_graph_patches` after export.
+
+Stand-ins for missing compiled extensions are not patches: they must answer imports before the user's code loads,
+outside any scope, so the one import hook is `compiled_ops.py`'s finder (`d2export.activate()`).
 
 `apply_patches` is a context manager: everything is restored on exit (also on exceptions, also when nested), and
 the yielded `PatchReport` counts hits while the scope is open.
@@ -25,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.abc
-import importlib.util
 import inspect
 import sys
 import types
@@ -353,53 +352,6 @@ class AutogradPatch(Patch):
 
 
 @dataclass
-class ImportPatch(Patch):
-    module_name: str = ""
-    kind = "import"
-
-    @property
-    def replaces(self) -> str:
-        return f"import {self.module_name}"
-
-    def apply(self, stack, record, scope):
-        name, stand_in = self.module_name, self.replacement
-        parent_name, _, child = name.rpartition(".")
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                record.hits += 1
-                return stand_in if isinstance(stand_in, types.ModuleType) else stand_in(name)
-
-            def exec_module(self, module):
-                pass
-
-        class Finder(importlib.abc.MetaPathFinder):
-            def find_spec(self, fullname, path=None, target=None):
-                return importlib.util.spec_from_loader(name, Loader()) if fullname == name else None
-
-        finder = Finder()
-        saved = sys.modules.pop(name, _MISSING)
-        parent = sys.modules.get(parent_name) if parent_name else None
-        parent_attr = getattr(parent, child, _MISSING) if parent is not None else _MISSING
-        sys.meta_path.insert(0, finder)
-
-        def undo():
-            sys.meta_path.remove(finder)
-            served = sys.modules.pop(name, _MISSING)
-            if saved is not _MISSING:
-                sys.modules[name] = saved
-            owner = sys.modules.get(parent_name) if parent_name else None
-            if owner is not None and served is not _MISSING and getattr(owner, child, None) is served:
-                if parent_attr is _MISSING or owner is not parent:
-                    delattr(owner, child)
-                else:
-                    setattr(owner, child, parent_attr)
-
-        stack.callback(undo)
-        record.sites += 1
-
-
-@dataclass
 class GraphPatch(Patch):
     kind = "graph"
 
@@ -455,10 +407,9 @@ class PatchRegistry:
 
     def register(self, name: str, *, why: str, when: Needs | Iterable[Needs] = ALWAYS,
                  function: str | Sequence[str] | None = None, module: Any = None, method: str = "forward",
-                 autograd: Any = None, module_import: str | None = None, graph: bool = False) -> Callable:
+                 autograd: Any = None, graph: bool = False) -> Callable:
         """Decorator: register the decorated object as the replacement of exactly one kind of target."""
-        kinds = {"function": function, "module": module, "autograd": autograd, "module_import": module_import,
-                 "graph": graph or None}
+        kinds = {"function": function, "module": module, "autograd": autograd, "graph": graph or None}
         given = [k for k, v in kinds.items() if v is not None]
         if len(given) != 1:
             raise TypeError(f"patch {name!r}: give exactly one of {list(kinds)}, got {given}")
@@ -472,8 +423,6 @@ class PatchRegistry:
                 patch = ModulePatch(**common, match=module, method=method)
             elif autograd is not None:
                 patch = AutogradPatch(**common, function=autograd)
-            elif module_import is not None:
-                patch = ImportPatch(**common, module_name=module_import)
             else:
                 patch = GraphPatch(**common)
             self.add(patch)

@@ -30,7 +30,7 @@ from typing import Any, Iterable
 import numpy as np
 from fsspec.utils import glob_translate
 
-from d2export.cli import parser
+from d2export.commandline import parser
 from d2export.manifest import manifest_path
 from d2export.runtime.images import IMAGE_SUFFIXES, decode_image
 from d2export.runtime.predictor import (PROVIDERS, Prepared, Processing, ProviderUnavailable,

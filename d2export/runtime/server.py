@@ -34,7 +34,7 @@ from typing import AsyncIterator, Iterator
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from d2export.cli import parser
+from d2export.commandline import parser
 from d2export.runtime.images import MAX_PIXELS, BadImage, ImageTooLarge, decode_image
 from d2export.runtime.predictor import (Prediction, Predictor, Prepared, ProviderUnavailable, equal_size_groups,
                                         add_predictor_arguments, predictor_from_args)

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from d2export.cli import parser
+from d2export.commandline import parser
 from d2export.manifest import Manifest, TensorSpec, manifest_path
 
 TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
