@@ -11,12 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
-def bernstein(t: np.ndarray) -> np.ndarray:
-    """(n,) parameters → (n, 4) cubic Bernstein weights."""
-    t = np.asarray(t, dtype=np.float64)[..., None]
-    s = 1.0 - t
-    return np.concatenate([s ** 3, 3 * t * s ** 2, 3 * t ** 2 * s, t ** 3], axis=-1)
+from d2export.cubic import bernstein, curve  # noqa: F401 - the band's curves; `curve` is this module's too
 
 
 def bernstein_slope(t: np.ndarray) -> np.ndarray:
@@ -24,11 +19,6 @@ def bernstein_slope(t: np.ndarray) -> np.ndarray:
     t = np.asarray(t, dtype=np.float64)[..., None]
     s = 1.0 - t
     return np.concatenate([-3 * s ** 2, 3 * s ** 2 - 6 * t * s, 6 * t * s - 3 * t ** 2, 3 * t ** 2], axis=-1)
-
-
-def curve(ctrl: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Points of the cubic Bezier with (4, 2) control points at parameters t → (n, 2)."""
-    return bernstein(t) @ ctrl
 
 
 def arc_length(ctrl: np.ndarray, samples: int = 64) -> float:

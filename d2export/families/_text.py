@@ -66,7 +66,7 @@ def text_postprocess(transformer_cfg, points: str, chars: list[str] | None = Non
 def bezier_polygon(ctrl: np.ndarray, samples: int = 10) -> np.ndarray:
     """TESTR's Bézier mode: 8 control points (a cubic along the top, left → right, then one along the bottom,
     right → left) → a closed outline of 2 × samples points."""
-    from d2export.datasets.bezier import curve
+    from d2export.cubic import curve
 
     t = np.linspace(0.0, 1.0, samples)
     return np.concatenate([curve(ctrl[:4], t), curve(ctrl[4:], t)], axis=0)

@@ -1,7 +1,7 @@
 """Size-general rewrites for the AdelaiDet lineage (TESTR, DPText-DETR, DeepSolo) and Deformable-DETR's transformer.
 
 Their code turns feature-map sizes into Python ints and lists; a trace then bakes the dummy input's sizes into the
-graph and an export runs wrong, or silently wrong, at other sizes (../shared/facts.md). Each function below computes
+graph and an export runs wrong, or silently wrong, at other sizes. Each function below computes
 the same values as the original from traced tensor sizes instead. Modules are matched by what they have:
 - a backbone wrapper with `mask_out_padding` and `feature_strides`;
 - an encoder with a static `get_reference_points(spatial_shapes, valid_ratios, device)`;
