@@ -15,25 +15,25 @@ import logging
 import os
 import platform
 import signal
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
 
 from d2export import __version__, building, progress
 from d2export.config import D2ExportConfig, check_files
-from d2export.exporting import ladder as ladder_mod
-from d2export.exporting import lint as lint_mod
-from d2export.exporting import pinning, reduced, sessions
-from d2export.exporting import verify as verify_mod
-from d2export.exporting.onnx_export import export_onnx
+from d2export.exporting import verifying
+from d2export.exporting.lint import lint_export
+from d2export.exporting.onnx_export import export_onnx, export_scope, traced_sizes
+# ladder and reduced_tolerances live in verifying.py; d2export.pipeline keeps them for its callers (docs/ladder.md)
+from d2export.exporting.verifying import (  # noqa: F401
+    ladder, reduced_tolerances, verification_cases, verification_sizes)
 from d2export.manifest import Manifest, embed_manifest, graph_specs, manifest_path, sha256_file, staged
 from d2export.runtime import custom_ops
 from d2export.stages import stage
-from d2export.tracing import dummy_images, graph_inputs, torch_inputs
+from d2export.tracing import dummy_images, torch_inputs
 
 log = logging.getLogger("d2export")
 
@@ -58,11 +58,11 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
 
     root = Path(root or os.getcwd())
     check_files(cfg, root)
-    _step(1, "importing user code", ", ".join(cfg.model.imports) or "-")
+    progress.step(1, "importing user code", ", ".join(cfg.model.imports) or "-")
     with stage("import"):
         building.import_user_code(cfg.model, cfg.plugin, root)
     device = building.resolve_device(cfg.export.device)
-    _step(2, "building the model", f"{cfg.model.lazy_config or cfg.model.d2_config} on {device}")
+    progress.step(2, "building the model", f"{cfg.model.lazy_config or cfg.model.d2_config} on {device}")
     with stage("build"):
         d2cfg = building.load_config(cfg.model, root, device)
         model, weights = building.build_model(cfg.model, d2cfg, root, device)
@@ -80,56 +80,6 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
         options = families.AdapterOptions(example=example, text_logits=cfg.export.text_logits)
         adapter = family.adapter(model, d2cfg, options).to(device).eval()
     return Built(cfg, d2cfg, model, family, adapter, swapped, weights, device)
-
-
-def traced_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
-    """The dummy batch the graph is traced on. torch.export specialises a dimension of size 1 to a constant, so a
-    single dummy image gets a twin there (a dynamic batch must be traced at 2 or more)."""
-    sizes = [tuple(s) for s in cfg.export.dummy_sizes]
-    if cfg.export.exporter == "dynamo" and cfg.export.dynamic and len(sizes) == 1:
-        sizes = sizes * 2
-    return sizes
-
-
-def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
-    """The dummy size, its transpose, a non-square size and its transpose (same token count, other aspect ratio —
-    where a baked shape goes silently wrong), and an odd size; or what the config lists."""
-    if cfg.verify.sizes:
-        return [tuple(s) for s in cfg.verify.sizes]
-    h, w = cfg.export.dummy_sizes[0]
-    r = lambda v: max(64, int(round(v / 16)) * 16)  # noqa: E731
-    c = (r(h * 0.8), r(w * 1.25))
-    candidates = [(h, w), (w, h), c, (c[1], c[0]), (h + 13, w - 7)]
-    return list(dict.fromkeys(candidates))
-
-
-def verification_cases(built: Built) -> list[verify_mod.Case]:
-    sizes = verification_sizes(built.cfg)
-    groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
-    if built.cfg.verify.batch and built.adapter.batchable:
-        groups.append([sizes[0], sizes[2 if len(sizes) > 2 else -1]])
-    elif built.cfg.verify.batch:
-        log.warning("verify.batch: no batch case, the %s graph takes one image per run (fixed batch axis)",
-                    built.family.name)
-    cases = []
-    for i, group in progress.steps(list(enumerate(groups)), "eager references"):
-        images = dummy_images(group, seed=1000 + 10 * i)
-        name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group)
-        cases.append(verify_mod.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images),
-                                     images))
-    return cases
-
-
-@contextlib.contextmanager
-def export_scope(built: Built) -> Iterator:
-    """Everything that must hold while tracing: the configured MSDA sampler and the patches the target needs.
-    Yields the patch report. The ladder and the benchmarks export through this too."""
-    from d2export.ops.msda import use_sampler
-    from d2export.patching import Target, apply_patches
-
-    e = built.cfg.export
-    with use_sampler(e.sampler), apply_patches(model=built.model, target=Target(e.opset, e.target)) as report:
-        yield report
 
 
 FAULT_STAGES = ("built", "exported", "verified", "staged", "model-published", "done")
@@ -199,7 +149,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
     adapter, e = built.adapter, cfg.export
     cases = []
     if cfg.verify.enabled:
-        _step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
+        progress.step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
         with stage("verify"):
             cases = verification_cases(built)  # eager, before any export-time patch: the independent side
     args = torch_inputs(adapter, dummy_images(traced_sizes(cfg), cfg.model.seed))
@@ -208,24 +158,25 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
         staged_manifest = publish.enter_context(staged(manifest_path(final)))
         with staged(final, suffix=".staged.onnx") as staged_model:
             with export_scope(built) as report:
-                _step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
+                progress.step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
                 with progress.busy(f"exporting ({e.exporter})"), stage("export"):
                     result = export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
                                          output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
                                          exporter=e.exporter, simplify=e.simplify)
                 log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
                 _fault_point("exported")
-                lint = _lint(built, staged_model, result, axes) if e.lint else None
+                lint = lint_export(built, staged_model, result, axes) if e.lint else None
             log.info("patches applied:\n%s", report)
             if lint is not None:
                 log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
             with stage("verify"):
-                verification = (_verify(cfg, staged_model, adapter.output_names, cases, built) if cases
+                subject = verifying.Subject(built, staged_model, cases)
+                verification = (verifying.verify_float32(subject) if cases
                                 else {"passed": None}) | {"device": built.device}  # where the references ran
                 if e.fp16:
-                    verification["fp16"] = _to_fp16(cfg, staged_model, adapter.output_names, cases, built)
+                    verification["fp16"] = verifying.convert_to_float16(subject)
                 if e.int8:
-                    verification["int8"] = _to_int8(cfg, staged_model, adapter.output_names, cases, built)
+                    verification["int8"] = verifying.quantise_to_int8(subject)
             _fault_point("verified")
             manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
             manifest.write(staged_manifest)
@@ -233,7 +184,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
         # the model is in place; its manifest follows (a failure or kill in between leaves an orphan the next removes)
         _fault_point("model-published")
     _fault_point("done")
-    _step(6, "done", f"{final} ({final.stat().st_size / 1e6:.1f} MB), manifest {manifest_path(final).name}")
+    progress.step(6, "done", f"{final} ({final.stat().st_size / 1e6:.1f} MB), manifest {manifest_path(final).name}")
     return manifest
 
 
@@ -263,192 +214,6 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
 
 def _documented(specs: list, docs: dict[str, str]) -> list:
     return [dataclasses.replace(s, doc=s.doc or docs.get(s.name, "")) for s in specs]
-
-
-def _step(i: int, what: str, detail: str = "") -> None:
-    log.info("[%d/6] %s%s", i, what, f": {detail}" if detail else "")
-
-
-def _lint(built: Built, staged: Path, result, axes) -> lint_mod.LintReport:
-    import onnx
-
-    report = lint_mod.LintReport(tracer_warnings=lint_mod.summarise_warnings(result.tracer_warnings))
-    if axes is None:
-        return report  # a static export is size-specific by request
-    sizes = traced_sizes(built.cfg)
-    h, w = sizes[0]
-    second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in sizes[1:]]
-    with tempfile.TemporaryDirectory() as tmp, progress.busy("lint: tracing at a second size"):
-        e = built.cfg.export
-        export_onnx(built.adapter, torch_inputs(built.adapter, dummy_images(second, 7)), Path(tmp) / "second.onnx",
-                    input_names=built.adapter.input_names, output_names=built.adapter.output_names,
-                    dynamic_axes=axes, opset=e.opset, exporter=e.exporter)
-        report.identical, report.size_dependent_constants = lint_mod.compare_graphs(
-            onnx.load(str(staged)), onnx.load(str(Path(tmp) / "second.onnx")))
-    return report
-
-
-def _verify(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
-    _step(5, "verifying with onnxruntime", f"{len(cases)} cases")
-    session = sessions.session(path, cfg.verify.providers)
-    v = cfg.verify
-    per_output = _output_tolerances(built)
-    results = verify_mod.run_cases(session, output_names, cases, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by,
-                                   per_output)
-    judge = lambda case, expected, actual: _all_ok(verify_mod.compare_case(  # noqa: E731
-        case, expected, actual, v.atol, v.rtol, v.max_mismatch, built.family.sorted_by, per_output))
-    pinned = _pin_selections(cfg, path, output_names, cases, {r.case for r in results if not r.ok}, built, judge,
-                             pinning.Tolerances(v.atol, v.rtol, v.pixel_atol))
-    results = pinning.with_pinned(results, pinned)
-    log.info("verification:\n%s", verify_mod.format_table(results))
-    summary = verify_mod.summarise(results) | {
-        "atol": v.atol, "rtol": v.rtol, "pixel_atol": v.pixel_atol,
-        "tolerances": {kind: {"atol": a, "rtol": r} for kind, (a, r) in _tolerances_by_kind(cfg).items()},
-        "output_kinds": {n: verify_mod.output_kind(n, built.family.output_kinds) for n in output_names}
-    } | sessions.ran_on(session, path)
-    if pinned:
-        summary["pinned"] = [p.to_dict() for p in pinned]
-    if v.ladder or not summary["passed"]:
-        summary["ladder"] = _ladder(built)
-    try:
-        verify_mod.check(results)
-    except verify_mod.VerificationError as e:
-        culprit = summary["ladder"]["culprit"]
-        where = "" if culprit is None else (f"\nthe parity ladder's first diverging module: "
-                                            f"{culprit['module'] or ladder_mod.ROOT} at "
-                                            f"{culprit['case']}, forward at {culprit['source']}")
-        raise verify_mod.VerificationError(f"{e}{where}{pinning.unpinned_lines(summary)}"
-                                           f"{sessions.near_ties_lines(path, cases, results, 'float32')}") from None
-    return summary
-
-
-def _tolerances_by_kind(cfg: D2ExportConfig) -> dict[str, tuple[float, float]]:
-    return verify_mod.tolerances_by_kind(cfg.verify.atol, cfg.verify.rtol, cfg.verify.pixel_atol)
-
-
-def _output_tolerances(built: Built) -> dict[str, tuple[float, float]]:
-    """Each graph output's (atol, rtol) by the kind its family says it holds."""
-    return verify_mod.output_tolerances(built.adapter.output_names, built.family.output_kinds,
-                                        _tolerances_by_kind(built.cfg))
-
-
-def _all_ok(comparisons: list) -> tuple[list, bool]:
-    return comparisons, all(c.ok for c in comparisons)
-
-
-def _pin_selections(cfg: D2ExportConfig, path: Path, output_names, cases, failed_names: set, built: Built, judge,
-                    tolerances) -> list:
-    """The failed cases again with the graph's near-tied selections imposed on eager (exporting/pinning.py), its
-    candidate values held to `tolerances` (those of the outputs)."""
-    failed = [c for c in cases if c.images is not None and c.name in failed_names]
-    if not failed or not cfg.verify.pin_selections:
-        return []
-    with progress.busy("checking the failed cases' selections"):
-        pinned = pinning.pin_cases(path, failed, output_names, lambda c: built.adapter.reference(c.images), judge,
-                                   tolerances, sessions.session_options(path))
-    for p in pinned:
-        log.log(logging.INFO if p.ok else logging.WARNING, "%s", p.line())
-    return pinned
-
-
-VERIFY_KEYS = {"float16": "fp16", "int8": "int8"}  # a reduced precision → the prefix of its verify.* tolerances
-
-
-def reduced_tolerances(cfg: D2ExportConfig, precision: str = "float16") -> verify_mod.Reduced:
-    """What a float16 or int8 graph of this config is held to (`verify.fp16_*` or `verify.int8_*`,
-    `verify.confident`, top-K)."""
-    v, key = cfg.verify, VERIFY_KEYS[precision]
-    tol = [getattr(v, f"{key}_{name}") for name in ("atol", "rtol", "pixel_atol", "pixel_rtol", "max_mismatch")]
-    return verify_mod.Reduced(precision, *tol, v.confident, v.top_k, v.min_top_k_agreement)
-
-
-def _settings(cfg: D2ExportConfig, key: str) -> str:
-    v = cfg.verify
-    return ", ".join(f"verify.{key}_{n}={getattr(v, f'{key}_{n}')}" for n in ("atol", "rtol", "pixel_atol",
-                                                                               "pixel_rtol"))
-
-
-def _to_fp16(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
-    """The verified float32 graph → float16 in place, verified on the same cases with float16's own tolerances."""
-    import onnx
-
-    from d2export.exporting.fp16 import to_float16
-
-    _step(5, "converting to float16", f"keep_io_types={cfg.export.keep_io_types}")
-    onnx.save(to_float16(onnx.load(str(path)), keep_io_types=cfg.export.keep_io_types), str(path))
-    if not cases:
-        return {"passed": None}
-    return _verify_reduced(cfg, path, output_names, cases, built, "float16")
-
-
-def _to_int8(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built) -> dict:
-    """The verified float32 graph → int8 in place (exporting/int8.py), verified with int8's own tolerances."""
-    from d2export.cpu import cpu_features
-    from d2export.exporting import int8
-
-    e = cfg.export
-    pictures = None
-    if e.int8 == "static":
-        files = int8.calibration_files(e.calibration, e.calibration_count)
-        pictures = int8.Pictures(files, _picture_feeds(built, path))
-    _step(5, f"quantising to int8 ({e.int8})", f"calibrating on {len(pictures)} pictures ({e.calibration_method})"
-          if pictures else "weights int8, activations quantised per run")
-    quantized = path.with_name(f".{path.name}.int8")
-    try:
-        with progress.busy("quantising"):
-            record = int8.quantize(path, quantized, e.int8, built.family.int8_scopes(e.int8), cpu_features(),
-                                   pictures, e.calibration_method, built.family.int8_static_ops)
-        quantized.replace(path)
-    finally:
-        quantized.unlink(missing_ok=True)
-    log.info("int8: %d node(s) quantised, %d kept float (%s); %s", record.quantized, len(record.kept_float),
-             ", ".join(built.family.int8_scopes(e.int8)) or "none", record.why_reduce_range)
-    summary = {"passed": None} if not cases else _verify_reduced(cfg, path, output_names, cases, built, "int8")
-    return summary | {"quantization": record.to_dict()}
-
-
-def _picture_feeds(built: Built, path: Path):
-    """A picture (HWC RGB uint8) → the graph's inputs, as the runtime predictor makes them."""
-    import onnx
-
-    from d2export.runtime.predictor import Processing
-
-    e = built.cfg.export
-    graph = onnx.load(str(path), load_external_data=False).graph
-    processing = Processing(Manifest(model_file=path.name, family=built.family.name, inputs=graph_specs(graph.input),
-                                     outputs=graph_specs(graph.output), opset=e.opset or 0, exporter=e.exporter,
-                                     preprocess=built.family.preprocess(built.d2cfg)))
-    return lambda picture: processing.feeds([processing.prepare(picture, "RGB")])
-
-
-def _verify_reduced(cfg: D2ExportConfig, path: Path, output_names, cases, built: Built, precision: str) -> dict:
-    pin = lambda failed, judge, tolerances: _pin_selections(  # noqa: E731
-        cfg, path, output_names, cases, failed, built, judge, tolerances)
-    return reduced.verify(path, output_names, cases, reduced_tolerances(cfg, precision), built.family.output_kinds,
-                          cfg.verify.providers, pin, _settings(cfg, VERIFY_KEYS[precision]))
-
-
-def ladder(built: Built, sizes: Sequence[Sequence[int]] | None = None):
-    """The parity ladder (docs/ladder.md) for a prepared model: its export settings and scope, the export's dummy
-    input first, then one image per size (the verification sizes by default). Call it with no export scope open:
-    it opens its own around a throwaway export."""
-    from d2export.exporting.ladder import run_ladder
-
-    cfg = built.cfg
-    sizes = [tuple(s) for s in (sizes or verification_sizes(cfg))]
-    cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
-    return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
-                      dummy_images(traced_sizes(cfg), cfg.model.seed), cases,
-                      atol=max(cfg.verify.atol, cfg.verify.pixel_atol),  # inner tensors have no kind: the loosest
-                      rtol=cfg.verify.rtol, max_mismatch=cfg.verify.max_mismatch, providers=cfg.verify.providers,
-                      output_tolerances=_output_tolerances(built))
-
-
-def _ladder(built: Built) -> dict:
-    with progress.busy("parity ladder"):
-        report = ladder(built)
-    log.log(logging.WARNING if report.culprit() else logging.INFO, "parity ladder:\n%s", report.format())
-    return report.to_dict()
 
 
 def _versions() -> dict:

@@ -1,12 +1,19 @@
-"""Progress on long steps (tqdm, on stderr, only when stderr is a terminal: logs and tests stay clean)."""
+"""Progress: the export's steps in the log; on long steps, bars (tqdm, on stderr, only when stderr is a terminal: logs
+and tests stay clean)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from typing import Iterable, Iterator, TypeVar
 
 T = TypeVar("T")
+
+
+def step(i: int, what: str, detail: str = "") -> None:
+    """Step `i` of the export's six (pipeline.py's flow; verification logs its own step 5)."""
+    logging.getLogger("d2export").info("[%d/6] %s%s", i, what, f": {detail}" if detail else "")
 
 
 def steps(items: Iterable[T], what: str, total: int | None = None) -> Iterator[T]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.exporting import pinning
+from d2export.exporting import pinning, verifying
 from d2export.exporting.verify import Case, VerificationError, compare_case
 
 FLOAT32 = pinning.Tolerances(atol=1e-3, rtol=1e-3, pixel_atol=1e-3)  # verify's defaults
@@ -69,7 +69,7 @@ def _module(built, name: str) -> nn.Module:
 @pytest.fixture
 def no_ladder(monkeypatch):
     """The parity ladder (run on every failure) is not what these tests look at; it costs a second export."""
-    monkeypatch.setattr(pipeline, "_ladder", lambda built: {"culprit": None})
+    monkeypatch.setattr(verifying, "_ladder_summary", lambda built: {"culprit": None})
 
 
 def _assert_pinned(verification: dict, precision_bound: float):

@@ -8,13 +8,19 @@ Two signals, both cheap next to a silent wrong answer in production:
 """
 from __future__ import annotations
 
+import tempfile
 import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import numpy_helper
+
+from d2export import progress
+from d2export.exporting.onnx_export import ExportResult, export_onnx, traced_sizes
+from d2export.tracing import dummy_images, torch_inputs
 
 
 @dataclass
@@ -74,3 +80,22 @@ def summarise_warnings(caught: list[warnings.WarningMessage]) -> list[dict]:
     """One entry per source line and message (whole: a cut message hides what went wrong), with its count."""
     counts = Counter((f"{w.filename}:{w.lineno}", " ".join(str(w.message).split())) for w in caught)
     return [{"where": where, "message": msg, "count": n} for (where, msg), n in counts.most_common()]
+
+
+def lint_export(built, staged: Path, result: ExportResult, axes: dict | None) -> LintReport:
+    """The lint of the graph at `staged`, exported from `built` (the pipeline's Built) as `result` with dynamic `axes`:
+    its tracer warnings, and for a dynamic export the constants that change when traced at a second size."""
+    report = LintReport(tracer_warnings=summarise_warnings(result.tracer_warnings))
+    if axes is None:
+        return report  # a static export is size-specific by request
+    sizes = traced_sizes(built.cfg)
+    h, w = sizes[0]
+    second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in sizes[1:]]
+    with tempfile.TemporaryDirectory() as tmp, progress.busy("lint: tracing at a second size"):
+        e = built.cfg.export
+        export_onnx(built.adapter, torch_inputs(built.adapter, dummy_images(second, 7)), Path(tmp) / "second.onnx",
+                    input_names=built.adapter.input_names, output_names=built.adapter.output_names,
+                    dynamic_axes=axes, opset=e.opset, exporter=e.exporter)
+        report.identical, report.size_dependent_constants = compare_graphs(
+            onnx.load(str(staged)), onnx.load(str(Path(tmp) / "second.onnx")))
+    return report

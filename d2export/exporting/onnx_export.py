@@ -14,12 +14,12 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import onnx
 import torch
 
-from d2export.config import EXPORTERS
+from d2export.config import EXPORTERS, D2ExportConfig
 from d2export.manifest import staged
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,28 @@ def export_onnx(
             model = _slim(model)
             onnx.save(model, str(tmp))
     return ExportResult(path, time.perf_counter() - start, caught, len(model.graph.node))
+
+
+def traced_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
+    """The dummy batch the graph is traced on. torch.export specialises a dimension of size 1 to a constant, so a
+    single dummy image gets a twin there (a dynamic batch must be traced at 2 or more)."""
+    sizes = [tuple(s) for s in cfg.export.dummy_sizes]
+    if cfg.export.exporter == "dynamo" and cfg.export.dynamic and len(sizes) == 1:
+        sizes = sizes * 2
+    return sizes
+
+
+@contextlib.contextmanager
+def export_scope(built) -> Iterator:
+    """Everything that must hold while tracing `built` (the pipeline's Built): the configured MSDA sampler and the
+    patches the target needs. Yields the patch report. The export, the parity ladder and the benchmarks trace
+    through this."""
+    from d2export.ops.msda import use_sampler
+    from d2export.patching import Target, apply_patches
+
+    e = built.cfg.export
+    with use_sampler(e.sampler), apply_patches(model=built.model, target=Target(e.opset, e.target)) as report:
+        yield report
 
 
 def _record_at_user_line(caught, message, category, filename, lineno, file=None, line=None):

@@ -232,6 +232,22 @@ def top_k_agreement(expected: np.ndarray, actual: np.ndarray, k: int, order: np.
 
 
 @dataclass(frozen=True)
+class Float32:
+    """What a float32 graph is held to against eager: each output within its kind's (atol, rtol)
+    (`tolerances_by_kind`), and a fraction `max_mismatch` of its ids may flip on near-ties."""
+    atol: float
+    rtol: float
+    pixel_atol: float
+    max_mismatch: float
+
+    def by_kind(self) -> dict[str, tuple[float, float]]:
+        return tolerances_by_kind(self.atol, self.rtol, self.pixel_atol)
+
+    def per_output(self, names: Sequence[str], kinds: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+        return output_tolerances(names, kinds, self.by_kind())
+
+
+@dataclass(frozen=True)
 class Reduced:
     """What a reduced-precision graph (float16, int8) is held to against eager float32, by kind of output: scores,
     probabilities, logits and masks within `atol + rtol·|x|`, coordinates within `pixel_atol + pixel_rtol·|x|` pixels,

@@ -1,0 +1,274 @@
+"""Verification of a staged graph against eager PyTorch, every precision in one place: the float32 graph, each output
+within its kind's tolerance (`verify.Float32`); its float16 or int8 conversion, held to that precision's own
+tolerances (`verify.Reduced`); on a failed case, the graph's near-tied selections pinned on eager (pinning.py); on a
+float32 failure, the parity ladder's first diverging module (ladder.py). The pipeline chooses what to verify and
+hands a `Subject` over; nothing here calls back into it, and nothing is written if a graph is refused."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from d2export import progress
+from d2export.config import D2ExportConfig
+from d2export.exporting import pinning, sessions, verify
+from d2export.exporting.ladder import ROOT, run_ladder
+from d2export.exporting.onnx_export import export_scope, traced_sizes
+from d2export.manifest import Manifest, graph_specs
+from d2export.tracing import dummy_images, graph_inputs
+
+log = logging.getLogger("d2export")
+
+
+@dataclass
+class Subject:
+    """A staged graph and what it is checked against: the cases (inputs, eager outputs) and the model they came from
+    (the pipeline's `Built`: its config and family say the tolerances, its adapter reruns failed cases eagerly with
+    the graph's selections pinned, and the parity ladder re-exports it)."""
+
+    built: object
+    path: Path
+    cases: Sequence[verify.Case]
+
+    @property
+    def output_names(self) -> list[str]:
+        return self.built.adapter.output_names
+
+
+# ------------------------------------------------------------------------------------------- what is verified, how
+def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
+    """The dummy size, its transpose, a non-square size and its transpose (same token count, other aspect ratio —
+    where a baked shape goes silently wrong), and an odd size; or what the config lists."""
+    if cfg.verify.sizes:
+        return [tuple(s) for s in cfg.verify.sizes]
+    h, w = cfg.export.dummy_sizes[0]
+    r = lambda v: max(64, int(round(v / 16)) * 16)  # noqa: E731
+    c = (r(h * 0.8), r(w * 1.25))
+    candidates = [(h, w), (w, h), c, (c[1], c[0]), (h + 13, w - 7)]
+    return list(dict.fromkeys(candidates))
+
+
+def verification_cases(built) -> list[verify.Case]:
+    """One case per verification size (and a batch of two where the graph takes one), with eager's outputs: computed
+    before any export-time patch, they are the independent side."""
+    sizes = verification_sizes(built.cfg)
+    groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
+    if built.cfg.verify.batch and built.adapter.batchable:
+        groups.append([sizes[0], sizes[2 if len(sizes) > 2 else -1]])
+    elif built.cfg.verify.batch:
+        log.warning("verify.batch: no batch case, the %s graph takes one image per run (fixed batch axis)",
+                    built.family.name)
+    cases = []
+    for i, group in progress.steps(list(enumerate(groups)), "eager references"):
+        images = dummy_images(group, seed=1000 + 10 * i)
+        name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group)
+        cases.append(verify.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images), images))
+    return cases
+
+
+VERIFY_KEYS = {"float16": "fp16", "int8": "int8"}  # a reduced precision → the prefix of its verify.* tolerances
+
+
+def float32_tolerances(cfg: D2ExportConfig) -> verify.Float32:
+    """What a float32 graph of this config is held to (`verify.atol`, `rtol`, `pixel_atol`, `max_mismatch`)."""
+    v = cfg.verify
+    return verify.Float32(v.atol, v.rtol, v.pixel_atol, v.max_mismatch)
+
+
+def reduced_tolerances(cfg: D2ExportConfig, precision: str = "float16") -> verify.Reduced:
+    """What a float16 or int8 graph of this config is held to (`verify.fp16_*` or `verify.int8_*`,
+    `verify.confident`, top-K)."""
+    v, key = cfg.verify, VERIFY_KEYS[precision]
+    tol = [getattr(v, f"{key}_{name}") for name in ("atol", "rtol", "pixel_atol", "pixel_rtol", "max_mismatch")]
+    return verify.Reduced(precision, *tol, v.confident, v.top_k, v.min_top_k_agreement)
+
+
+def _reduced_settings(cfg: D2ExportConfig, precision: str) -> str:
+    """The config keys behind a reduced precision's tolerances, for a refusal's message."""
+    v, key = cfg.verify, VERIFY_KEYS[precision]
+    return ", ".join(f"verify.{key}_{n}={getattr(v, f'{key}_{n}')}" for n in ("atol", "rtol", "pixel_atol",
+                                                                               "pixel_rtol"))
+
+
+# ---------------------------------------------------------------------------------------------------------- float32
+def verify_float32(subject: Subject) -> dict:
+    """The float32 graph's verification summary (the manifest's), or VerificationError with the figures, the
+    parity ladder's first diverging module and the near-tied selections of the failed cases."""
+    built, tol = subject.built, float32_tolerances(subject.built.cfg)
+    progress.step(5, "verifying with onnxruntime", f"{len(subject.cases)} cases")
+    session = sessions.session(subject.path, built.cfg.verify.providers)
+    kinds, sorted_by = built.family.output_kinds, built.family.sorted_by
+    per_output = tol.per_output(subject.output_names, kinds)
+    results = verify.run_cases(session, subject.output_names, subject.cases, tol.atol, tol.rtol, tol.max_mismatch,
+                               sorted_by, per_output)
+
+    def judge(case, expected, actual):
+        compared = verify.compare_case(case, expected, actual, tol.atol, tol.rtol, tol.max_mismatch, sorted_by,
+                                       per_output)
+        return compared, all(c.ok for c in compared)
+
+    pinned = _pin_selections(subject, {r.case for r in results if not r.ok}, judge,
+                             pinning.Tolerances(tol.atol, tol.rtol, tol.pixel_atol))
+    results = pinning.with_pinned(results, pinned)
+    log.info("verification:\n%s", verify.format_table(results))
+    summary = verify.summarise(results) | {
+        "atol": tol.atol, "rtol": tol.rtol, "pixel_atol": tol.pixel_atol,
+        "tolerances": {kind: {"atol": a, "rtol": r} for kind, (a, r) in tol.by_kind().items()},
+        "output_kinds": {n: verify.output_kind(n, kinds) for n in subject.output_names}
+    } | sessions.ran_on(session, subject.path)
+    if pinned:
+        summary["pinned"] = [p.to_dict() for p in pinned]
+    if built.cfg.verify.ladder or not summary["passed"]:
+        summary["ladder"] = _ladder_summary(built)
+    try:
+        verify.check(results)
+    except verify.VerificationError as e:
+        ties = sessions.near_ties_lines(subject.path, subject.cases, results, "float32")
+        raise verify.VerificationError(f"{e}{_culprit_line(summary['ladder'])}{pinning.unpinned_lines(summary)}"
+                                       f"{ties}") from None
+    return summary
+
+
+def _culprit_line(ladder_summary: dict) -> str:
+    """Where the parity ladder saw the graph diverge first, for a refusal ('' where no module diverges)."""
+    culprit = ladder_summary["culprit"]
+    if culprit is None:
+        return ""
+    return (f"\nthe parity ladder's first diverging module: {culprit['module'] or ROOT} at {culprit['case']}, "
+            f"forward at {culprit['source']}")
+
+
+def _pin_selections(subject: Subject, failed_names: set, judge, tolerances: pinning.Tolerances) -> list:
+    """The failed cases again with the graph's near-tied selections imposed on eager (exporting/pinning.py), its
+    candidate values held to `tolerances` (those of the outputs); `judge(case, expected, actual)` → (comparisons,
+    whether the case passes), by the precision's own rules."""
+    failed = [c for c in subject.cases if c.images is not None and c.name in failed_names]
+    if not failed or not subject.built.cfg.verify.pin_selections:
+        return []
+    reference = subject.built.adapter.reference
+    with progress.busy("checking the failed cases' selections"):
+        pinned = pinning.pin_cases(subject.path, failed, subject.output_names, lambda c: reference(c.images), judge,
+                                   tolerances, sessions.session_options(subject.path))
+    for p in pinned:
+        log.log(logging.INFO if p.ok else logging.WARNING, "%s", p.line())
+    return pinned
+
+
+# ------------------------------------------------------------------------------------------------ reduced precision
+def convert_to_float16(subject: Subject) -> dict:
+    """The verified float32 graph → float16 in place, verified on the same cases with float16's own tolerances."""
+    import onnx
+
+    from d2export.exporting.fp16 import to_float16
+
+    keep_io_types = subject.built.cfg.export.keep_io_types
+    progress.step(5, "converting to float16", f"keep_io_types={keep_io_types}")
+    onnx.save(to_float16(onnx.load(str(subject.path)), keep_io_types=keep_io_types), str(subject.path))
+    return _verify_reduced(subject, "float16") if subject.cases else {"passed": None}
+
+
+def quantise_to_int8(subject: Subject) -> dict:
+    """The verified float32 graph → int8 in place (exporting/int8.py), verified with int8's own tolerances."""
+    from d2export.cpu import cpu_features
+    from d2export.exporting import int8
+
+    built, path, e = subject.built, subject.path, subject.built.cfg.export
+    pictures = None
+    if e.int8 == "static":
+        files = int8.calibration_files(e.calibration, e.calibration_count)
+        pictures = int8.Pictures(files, _picture_feeds(built, path))
+    how = (f"calibrating on {len(pictures)} pictures ({e.calibration_method})" if pictures
+           else "weights int8, activations quantised per run")
+    progress.step(5, f"quantising to int8 ({e.int8})", how)
+    quantized = path.with_name(f".{path.name}.int8")
+    try:
+        with progress.busy("quantising"):
+            record = int8.quantize(path, quantized, e.int8, built.family.int8_scopes(e.int8), cpu_features(),
+                                   pictures, e.calibration_method, built.family.int8_static_ops)
+        quantized.replace(path)
+    finally:
+        quantized.unlink(missing_ok=True)
+    log.info("int8: %d node(s) quantised, %d kept float (%s); %s", record.quantized, len(record.kept_float),
+             ", ".join(built.family.int8_scopes(e.int8)) or "none", record.why_reduce_range)
+    summary = _verify_reduced(subject, "int8") if subject.cases else {"passed": None}
+    return summary | {"quantization": record.to_dict()}
+
+
+def _picture_feeds(built, path: Path):
+    """A picture (HWC RGB uint8) → the graph's inputs, as the runtime predictor makes them."""
+    import onnx
+
+    from d2export.runtime.predictor import Processing
+
+    e = built.cfg.export
+    graph = onnx.load(str(path), load_external_data=False).graph
+    processing = Processing(Manifest(model_file=path.name, family=built.family.name, inputs=graph_specs(graph.input),
+                                     outputs=graph_specs(graph.output), opset=e.opset or 0, exporter=e.exporter,
+                                     preprocess=built.family.preprocess(built.d2cfg)))
+    return lambda picture: processing.feeds([processing.prepare(picture, "RGB")])
+
+
+def _verify_reduced(subject: Subject, precision: str) -> dict:
+    """The reduced-precision graph's verification summary against eager float32: each output by its kind, the top-K
+    detections the same, near-tied selections pinned where float noise explains them; or VerificationError."""
+    cfg, path, cases, names = subject.built.cfg, subject.path, subject.cases, subject.output_names
+    tol, kinds = reduced_tolerances(cfg, precision), subject.built.family.output_kinds
+    session = sessions.session(path, cfg.verify.providers)
+    summary = verify.run_reduced_precision(session, names, cases, tol, kinds)
+    if not summary["passed"]:
+        results = [verify.Comparison(**c) for c in summary["cases"]]
+        agreements = dict(summary["case_agreement"])
+        weak = {c for c, a in agreements.items() if a < tol.min_agreement}
+
+        def judge(case, expected, actual):
+            compared, agreements[case] = verify.compare_reduced_case(case, expected, actual, tol, kinds)
+            return compared, all(c.ok for c in compared) and agreements[case] >= tol.min_agreement
+
+        failed = weak | {r.case for r in results if not r.ok}
+        pinned = _pin_selections(subject, failed, judge,
+                                 pinning.Tolerances(tol.atol, tol.rtol, tol.atol, tol.max_mismatch))
+        if pinned:
+            summary = verify.reduced_summary(pinning.with_pinned(results, pinned), agreements, tol)
+            summary["pinned"] = [p.to_dict() for p in pinned]
+    summary |= sessions.ran_on(session, path)
+    at_cut = sum(c.get("at_cut", 0) for c in summary["cases"] if c["output"] == "scores")
+    log.info("%s verification (top-%d agreement %.2f; %d detection(s) came and went at the lists' cut):\n%s",
+             tol.precision, tol.top_k, summary["top_k_agreement"], at_cut,
+             verify.format_table([verify.Comparison(**c) for c in summary["cases"]]))
+    if not summary["passed"]:
+        failed = [verify.Comparison(**c) for c in summary["cases"] if not c["ok"]]
+        why = [f"{len(failed)} output(s) past their kind's tolerance ({_reduced_settings(cfg, precision)}; ids "
+               f"equal) in a detection scoring {tol.confident} or more (verify.confident), or on more than "
+               f"{tol.max_mismatch:g} of the rest"] if failed else []
+        if summary["top_k_agreement"] < tol.min_agreement:
+            why.append(f"top-{tol.top_k} agreement {summary['top_k_agreement']:.2f} < verify.min_top_k_agreement="
+                       f"{tol.min_agreement}")
+        raise verify.VerificationError(
+            f"the {tol.precision} graph disagrees with eager PyTorch: {'; '.join(why)}\n"
+            f"{verify.format_table(failed)}{pinning.unpinned_lines(summary)}"
+            f"{sessions.near_ties_lines(path, cases, failed, tol.precision)}")
+    return summary
+
+
+# ------------------------------------------------------------------------------------------------- the parity ladder
+def ladder(built, sizes: Sequence[Sequence[int]] | None = None):
+    """The parity ladder (docs/ladder.md) for a prepared model (the pipeline's Built): its export settings and
+    scope, the export's dummy input first, then one image per size (the verification sizes by default). Call it with
+    no export scope open: it opens its own around a throwaway export."""
+    cfg, tol = built.cfg, float32_tolerances(built.cfg)
+    sizes = [tuple(s) for s in (sizes or verification_sizes(cfg))]
+    cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
+    return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
+                      dummy_images(traced_sizes(cfg), cfg.model.seed), cases,
+                      atol=max(tol.atol, tol.pixel_atol),  # inner tensors have no kind: the loosest
+                      rtol=tol.rtol, max_mismatch=tol.max_mismatch, providers=cfg.verify.providers,
+                      output_tolerances=tol.per_output(built.adapter.output_names, built.family.output_kinds))
+
+
+def _ladder_summary(built) -> dict:
+    """The parity ladder run and logged: its report, as the manifest keeps it."""
+    with progress.busy("parity ladder"):
+        report = ladder(built)
+    log.log(logging.WARNING if report.culprit() else logging.INFO, "parity ladder:\n%s", report.format())
+    return report.to_dict()
