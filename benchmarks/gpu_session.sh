@@ -100,8 +100,9 @@ run)
 train)  # (carry .gpu) MINUTES [KEY VALUE ...]: issue 42's unblock — the micro spotter warm-started from the fixture,
         # trained on the GPU; its last float16 weights and its curve come back under $OUT (7.5 MB)
   install_site && refresh_repo || exit 1
-  in_repo python3 tools/train_spotter.py --device cuda --threads 8 --out $W/spotter \
-    --config third_party/testr/configs/micro_spotter.yaml --init tests/data/spotter_fixture.pth --train-count 2000 \
+  # the pictures are drawn on the fly by 12 of the 16 cores (an endless stream); torch keeps 4 for the step's host work
+  in_repo python3 tools/train_spotter.py --device cuda --threads 4 --workers 12 --out $W/spotter \
+    --config third_party/testr/configs/micro_spotter.yaml --init tests/data/spotter_fixture.pth \
     --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "${2:-6}" --eval-every 1000 "${@:3}" 2>&1 \
     | grep -v "it/s\]$" | tail -n 30
   cp $W/spotter/metrics.jsonl "$OUT/" && cp "$(ls $W/spotter/model_*_fp16.pth | tail -n 1)" "$OUT/"

@@ -187,14 +187,18 @@ def main(argv=None) -> int:
 
         stream = drawn(partial(text_record, 0, size=size), mapper, per_step, args.seed, start, args.workers)
     bar = tqdm(range(start, args.iters), initial=start, total=args.iters, desc="train", dynamic_ncols=True)
-    it = start
+    it, waited_total = start, 0.0
     for it in bar:
         lr = optimizer.param_groups[-1]["lr"]
-        losses = train_step(model, optimizer, next(stream), clip)
+        waited = time.time()
+        batch = next(stream)
+        waited = time.time() - waited  # what the step waited for its pictures: ~0 when the workers keep up
+        waited_total += waited
+        losses = train_step(model, optimizer, batch, clip)
         scheduler.step()
         bar.set_postfix(total=f"{losses['total']:.2f}", ce=f"{losses['loss_ce']:.3f}",
                         pts=f"{losses['loss_ctrl_points']:.3f}", txt=f"{losses['loss_texts']:.3f}")
-        row = {"iter": it + 1, "seconds": round(time.time() - started, 1), "lr": lr,
+        row = {"iter": it + 1, "seconds": round(time.time() - started, 1), "lr": lr, "data_seconds": round(waited, 3),
                **{k: round(v, 4) for k, v in losses.items()}}
         done = it + 1 >= args.iters or (args.minutes and time.time() - began > args.minutes * 60)
         if (it + 1) % args.eval_every == 0 or done:
@@ -211,7 +215,8 @@ def main(argv=None) -> int:
     log.close()
     if start < args.iters:
         print(json.dumps({"iterations": it + 1, "seconds_this_run": round(time.time() - began, 1),
-                          "seconds_per_iteration": round((time.time() - began) / max(it + 1 - start, 1), 3)}))
+                          "seconds_per_iteration": round((time.time() - began) / max(it + 1 - start, 1), 3),
+                          "share_waiting_for_pictures": round(waited_total / max(time.time() - began, 1e-9), 3)}))
     if args.fixture and it + 1 >= args.iters:
         folder = out / "data" / "final"
         if not (folder / "annotations.json").is_file():
