@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from d2export.datasets import generate
+from exports import export
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "data" / "box_fixture.pth"
@@ -15,11 +16,8 @@ FIXTURE = REPO / "tests" / "data" / "box_fixture.pth"
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from d2export import pipeline
-    from d2export.config import load
-
     out = tmp_path_factory.mktemp("boxdet")
-    manifest = pipeline.export(load("boxdet", [f"export.output_dir={out}"]))
+    manifest = export("boxdet", out)
     return out, manifest
 
 

@@ -15,6 +15,7 @@ from d2export.evaluating.evaluate import EvaluateError, compare, evaluate, write
 from d2export.evaluating.evaluators import TextSpottingEvaluator
 from d2export.evaluating.runs import Run, difference
 from d2export.instances import Instance, Prediction, encode_mask
+from exports import export
 
 SIZE = (224, 176)
 
@@ -53,11 +54,8 @@ def sets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rcnn_export(tmp_path_factory):
-    from d2export import pipeline
-    from d2export.config import load
-
     out = tmp_path_factory.mktemp("rcnn_export")
-    pipeline.export(load("rcnn", [f"export.output_dir={out}"]))
+    export("rcnn", out)
     return out
 
 

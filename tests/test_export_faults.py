@@ -17,6 +17,7 @@ from d2export import building, pipeline
 from d2export.config import load
 from d2export.manifest import Manifest
 from d2export.runtime.predictor import ModelLoadError, Predictor
+from exports import export
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = ["verify.enabled=false", "export.lint=false"]
@@ -72,9 +73,8 @@ def crashed_then_rerun(tmp_path_factory, partial_checkpoint):
             with pytest.raises(ModelLoadError, match="no manifest") as e:
                 Predictor(out / "model.onnx")
             seen["refusal"] = str(e.value)
-    manifest = pipeline.export(load("textdet_tiny", [f"export.output_dir={out}", *QUICK,
-                                                      f"model.weights={partial_checkpoint[0]}",
-                                                      "model.strict_weights=false"]))
+    manifest = export("textdet_tiny", out, *QUICK, f"model.weights={partial_checkpoint[0]}",
+                      "model.strict_weights=false")
     seen["rerun"] = listing(out)
     return out, seen, manifest
 
@@ -112,7 +112,7 @@ def test_weights_that_do_not_fit_are_a_one_line_error(tmp_path, tiny_state_dict,
              (tmp_path / "reshaped.pth", ["1 mismatched", key])]
     for path, words in cases:
         with pytest.raises(building.UserError) as e:
-            pipeline.export(load("textdet_tiny", [f"export.output_dir={tmp_path / 'out'}", f"model.weights={path}"]))
+            export("textdet_tiny", tmp_path / "out", f"model.weights={path}")
         assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
         assert not (tmp_path / "out" / "model.onnx").exists()
         if path == wrong:  # the model's entries are all missing (entries shared between modules count once)

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from d2export import pipeline
-from d2export.config import load
 from d2export.manifest import Manifest, manifest_path, sha256_file
 from d2export.tracing import dummy_images, graph_inputs
+from exports import export
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,15 +83,14 @@ def test_dynamic_shapes_match_eager_at_unseen_sizes(tiny_export, sizes):
 
 def test_exporting_twice_gives_the_same_graph(tmp_path):
     overrides = ["export.lint=false", "verify.enabled=false"]
-    first = pipeline.export(load("textdet_tiny", [f"export.output_dir={tmp_path / 'a'}", *overrides]))
-    second = pipeline.export(load("textdet_tiny", [f"export.output_dir={tmp_path / 'b'}", *overrides,
-                                                   "export.dummy_sizes=[[192,160]]"]))
+    first = export("textdet_tiny", tmp_path / "a", *overrides)
+    second = export("textdet_tiny", tmp_path / "b", *overrides, "export.dummy_sizes=[[192,160]]")
     assert first.sha256 == second.sha256  # also at another dummy size: nothing of the dummy is baked in
 
 
 def test_plain_rcnn_exports_unchanged_with_plugin_active(tmp_path):
     """A detectron2 R-CNN goes through the same pipeline with every patch active and none hit, verified."""
-    manifest = pipeline.export(load("rcnn", [f"export.output_dir={tmp_path}", "export.lint=false"]))
+    manifest = export("rcnn", tmp_path, "export.lint=false")
     assert manifest.verification["passed"] is True and manifest.family == "rcnn"
     statuses = {p["name"]: p["status"] for p in manifest.patches}
     assert statuses["msda-core"] == "unused" and "applied" not in {statuses[k] for k in (
@@ -150,7 +149,7 @@ def test_bad_config_name_is_one_line(tmp_path):
 def test_full_size_default_config_exports_and_verifies(tmp_path):
     """The full-size config (`make export CONFIG=textdet`: TotalText polygon R50, 100 queries), lint left to the tiny
     tests."""
-    manifest = pipeline.export(load("textdet", [f"export.output_dir={tmp_path}", "export.lint=false"]))
+    manifest = export("textdet", tmp_path, "export.lint=false")
     assert manifest.verification["passed"] is True
     assert manifest.outputs[2].shape == ["batch", 100, 16, 2]
     assert {p["name"]: p["sites"] for p in manifest.patches}["msda-core"] == 18  # 6 encoder + 2 x 6 decoder
@@ -158,8 +157,8 @@ def test_full_size_default_config_exports_and_verifies(tmp_path):
 
 
 def test_torch_export_based_exporter_is_size_and_batch_general(tmp_path):
-    manifest = pipeline.export(load("textdet_tiny", [f"export.output_dir={tmp_path}", "export.exporter=dynamo",
-                                                     "export.lint=false", "verify.sizes=[[160,224],[224,160]]"]))
+    manifest = export("textdet_tiny", tmp_path, "export.exporter=dynamo", "export.lint=false",
+                      "verify.sizes=[[160,224],[224,160]]")
     v = manifest.verification
     assert v["passed"] is True and any(c["case"].startswith("batch ") for c in v["cases"])
     model = onnx.load(str(tmp_path / "model.onnx"))

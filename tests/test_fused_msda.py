@@ -19,6 +19,7 @@ from d2export.ops.msda import QUERY_CHUNKS, multi_scale_deformable_attention
 from d2export.runtime import custom_ops
 from d2export.runtime.msda_kernel import msda as fused_kernel
 from msda_reference import edge_locations, msda_reference, random_msda_inputs
+from exports import export
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
@@ -304,11 +305,8 @@ def test_each_piece_of_the_chunked_gather_costs_four_nodes():
 # --- the whole pipeline with the fused operator ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fused_export(tmp_path_factory):
-    from d2export import pipeline
-    from d2export.config import load
-
     out = tmp_path_factory.mktemp("fused_export")
-    manifest = pipeline.export(load("textdet_tiny", [f"export.output_dir={out}", "export.sampler=fused"]))
+    manifest = export("textdet_tiny", out, "export.sampler=fused")
     return manifest, out / manifest.model_file
 
 

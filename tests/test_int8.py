@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from d2export.exporting import int8
+from exports import export
 
 
 def test_scopes_name_modules_by_their_path():
@@ -108,11 +109,9 @@ def test_int8_settings_are_checked_up_front(overrides, says):
 @pytest.fixture(scope="module")
 def dynamic(tmp_path_factory):
     """The trained micro spotter exported with export.int8=dynamic."""
-    from d2export import pipeline
-    from d2export.config import load
 
     out = tmp_path_factory.mktemp("int8_dynamic")
-    manifest = pipeline.export(load("textdet_micro", [f"export.output_dir={out}", "export.int8=dynamic"]))
+    manifest = export("textdet_micro", out, "export.int8=dynamic")
     return manifest, out / manifest.model_file
 
 
@@ -161,12 +160,9 @@ def calibration(tmp_path_factory):
 def test_static_int8_calibrates_on_pictures_and_verifies(calibration, tmp_path):
     """The encoder kept float (calibrated, it moved the two-stage proposals' scores by 0.23 and a confident word was
     swapped: refused)."""
-    from d2export import pipeline
-    from d2export.config import load
 
-    manifest = pipeline.export(load("textdet_micro", [f"export.output_dir={tmp_path}", "export.int8=static",
-                                                      f"export.calibration={calibration}",
-                                                      "export.calibration_count=16", "verify.batch=false"]))
+    manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
+                      "export.calibration_count=16", "verify.batch=false")
     v = manifest.verification["int8"]
     assert manifest.precision == "int8" and v["passed"] is True
     q = v["quantization"]
@@ -178,15 +174,12 @@ def test_static_int8_calibrates_on_pictures_and_verifies(calibration, tmp_path):
 def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(calibration, tmp_path, monkeypatch):
     """The spotter's convolutions and encoder quantised statically too (what text spotters keep float): proposals
     move and a confident word lands elsewhere. Refused; nothing written."""
-    from d2export import pipeline
-    from d2export.config import load
     from d2export.exporting.verify import VerificationError
     from d2export.families import get
 
     monkeypatch.setattr(get("testr"), "int8_static_ops", ("Conv", "MatMul", "Gemm"))
     monkeypatch.setattr(get("testr"), "int8_static_float_scopes", ())
     with pytest.raises(VerificationError, match="the int8 graph disagrees with eager PyTorch"):
-        pipeline.export(load("textdet_micro", [f"export.output_dir={tmp_path}", "export.int8=static",
-                                               f"export.calibration={calibration}", "export.calibration_count=8",
-                                               "verify.batch=false", "verify.pin_selections=false"]))
+        export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
+               "export.calibration_count=8", "verify.batch=false", "verify.pin_selections=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))

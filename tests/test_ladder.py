@@ -15,6 +15,7 @@ from d2export.exporting import ladder
 from d2export.exporting.ladder import compare, default_rungs, flatten_tensors, module_of_node, run_ladder
 from d2export.imaging import pad_batch
 from d2export.tracing import dummy_images
+from exports import export
 
 SETTINGS = SimpleNamespace(exporter="torchscript", opset=17, dynamic=True)
 THIS_FILE = str(Path(__file__).resolve())
@@ -248,7 +249,6 @@ def test_baked_shape_is_found_at_another_size_not_at_the_export_size(tiny):
 
 def test_production_export_is_byte_identical_with_and_without_a_ladder_run(tiny_export, tmp_path):
     from d2export import pipeline
-    from d2export.config import load
     from d2export.pipeline import ladder as ladder_for
 
     cfg, manifest, model_path = tiny_export
@@ -258,8 +258,7 @@ def test_production_export_is_byte_identical_with_and_without_a_ladder_run(tiny_
     assert ladder_for(built, [(224, 160)]).culprit() is None
     assert all(not m._forward_hooks for m in built.adapter.modules())
     assert sorted(p.name for p in model_path.parent.iterdir()) == listing  # the ladder wrote nothing there
-    again = pipeline.export(load("textdet_tiny", [f"export.output_dir={tmp_path}", "export.lint=false",
-                                                  "verify.enabled=false"]))  # neither touches the file
+    again = export("textdet_tiny", tmp_path, "export.lint=false", "verify.enabled=false")  # neither touches the file
     assert (tmp_path / again.model_file).read_bytes() == before
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from d2export.datasets import generate
+from exports import export
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "data" / "spotter_fixture.pth"
@@ -25,11 +26,8 @@ def held_out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from d2export import pipeline
-    from d2export.config import load
-
     out = tmp_path_factory.mktemp("textdet_micro")
-    return out, pipeline.export(load("textdet_micro", [f"export.output_dir={out}"]))
+    return out, export("textdet_micro", out)
 
 
 def test_the_fixture_is_what_its_record_says():
@@ -64,8 +62,5 @@ def test_evaluate_pytorch_and_onnx_agree_on_text(exported, held_out):
 
 
 def test_float16_export_verifies_on_text(tmp_path):
-    from d2export import pipeline
-    from d2export.config import load
-
-    manifest = pipeline.export(load("textdet_micro", [f"export.output_dir={tmp_path}", "export.fp16=true"]))
+    manifest = export("textdet_micro", tmp_path, "export.fp16=true")
     assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"] is True
