@@ -170,3 +170,17 @@ def test_the_stream_draws_the_sets_pictures_in_order_whatever_the_workers(tmp_pa
     assert [[i for _, i, _ in b] for b in alone] == [[1, 2], [3, 4], [5, 6]]  # image ids: index + 1
     assert len({s for b in alone for s, _, _ in b}) > 1  # the training sizes are drawn
     assert first(1, workers=0, start=2) == alone[2:]
+
+
+def test_slot_references_give_each_character_slot_its_share_of_the_box():
+    """By hand: a box centred at 0.5, 0.8 wide, 4 slots: centres 0.2, 0.4, 0.6, 0.8, each 0.4 wide; y and h kept.
+    Off (upstream), every slot's text queries sample around the whole box."""
+    from testr.layers.deformable_transformer import slot_boxes
+
+    boxes = torch.tensor([0.5, 0.3, 0.8, 0.1]).expand(1, 2, 4, 3, 4)  # (B, Q, S=4, L=3, 4)
+    out = slot_boxes(boxes)
+    expected = torch.tensor([[0.2, 0.3, 0.4, 0.1], [0.4, 0.3, 0.4, 0.1], [0.6, 0.3, 0.4, 0.1], [0.8, 0.3, 0.4, 0.1]])
+    assert torch.allclose(out[0, 1, :, 2], expected, atol=1e-6) and torch.equal(out[:, :, :, 0], out[:, :, :, 2])
+    on = _model(_cfg("micro.yaml", "MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES", "True"))
+    assert all(layer.slot_references for layer in on.testr.transformer.decoder.layers)
+    assert not any(layer.slot_references for layer in _model(_cfg("micro.yaml")).testr.transformer.decoder.layers)

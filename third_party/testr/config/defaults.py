@@ -33,6 +33,9 @@ def add_testr_config(cfg):
     t.POSITION_EMBEDDING_SCALE = 6.283185307179586  # 2 pi
     t.NUM_FEATURE_LEVELS = 4
     t.NUM_CTRL_POINTS = 8
+    # not upstream's (False is upstream): each character slot's text queries sample around their own share of the
+    # proposal's box (slot s of S centred at x0 + w (s + 0.5) / S, width 2w / S) instead of all around the whole box
+    t.TEXT_SLOT_REFERENCES = False
 
     # training-only, kept so upstream's YAMLs merge
     loss = t.LOSS = CN()

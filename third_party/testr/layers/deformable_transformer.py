@@ -19,7 +19,7 @@ from .ms_deform_attn import MSDeformAttn
 class DeformableTransformer(nn.Module):
     def __init__(self, d_model=256, nhead=8, num_encoder_layers=6, num_decoder_layers=6, dim_feedforward=1024,
                  dropout=0.1, activation="relu", return_intermediate_dec=False, num_feature_levels=4,
-                 dec_n_points=4, enc_n_points=4, num_proposals=300):
+                 dec_n_points=4, enc_n_points=4, num_proposals=300, slot_references=False):
         super().__init__()
         self.d_model = d_model
         self.nhead = nhead
@@ -30,7 +30,7 @@ class DeformableTransformer(nn.Module):
         self.encoder = DeformableTransformerEncoder(encoder_layer, num_encoder_layers)
 
         decoder_layer = DeformableCompositeTransformerDecoderLayer(
-            d_model, dim_feedforward, dropout, activation, num_feature_levels, nhead, dec_n_points)
+            d_model, dim_feedforward, dropout, activation, num_feature_levels, nhead, dec_n_points, slot_references)
         self.decoder = DeformableCompositeTransformerDecoder(
             decoder_layer, num_decoder_layers, return_intermediate_dec)
 
@@ -219,10 +219,20 @@ class DeformableTransformerEncoder(nn.Module):
         return output
 
 
+def slot_boxes(boxes):
+    """(…, S, L, 4) boxes (cx, cy, w, h), one per character slot → slot s's share of its box: centred at
+    x0 + w (s + 0.5) / S, 2w / S wide (its ring of sampling points then reaches one slot's pitch either side)."""
+    slots = boxes.shape[-3]
+    share = (torch.arange(slots, dtype=boxes.dtype, device=boxes.device) + 0.5) / slots - 0.5
+    cx = boxes[..., 0] + boxes[..., 2] * share[:, None]
+    return torch.stack([cx, boxes[..., 1], boxes[..., 2] * (2.0 / slots), boxes[..., 3]], -1)
+
+
 class DeformableCompositeTransformerDecoderLayer(nn.Module):
     def __init__(self, d_model=256, d_ffn=1024, dropout=0.1, activation="relu", n_levels=4, n_heads=8,
-                 n_points=4):
+                 n_points=4, slot_references=False):
         super().__init__()
+        self.slot_references = slot_references
         # location branch: cross attention into the memory
         self.attn_cross = MSDeformAttn(d_model, n_levels, n_heads, n_points)
         self.dropout_cross = nn.Dropout(dropout)
@@ -316,6 +326,8 @@ class DeformableCompositeTransformerDecoderLayer(nn.Module):
             self.norm_inter_text(tgt_text_inter + self.dropout_inter_text(tgt2_text_inter)), 1, 2)
 
         reference_points_text = reference_points[:, :, None, :, :].repeat(1, 1, tgt_text_inter.shape[2], 1, 1)
+        if self.slot_references and reference_points.shape[-1] == 4:
+            reference_points_text = slot_boxes(reference_points_text)
         tgt2_text = self.attn_cross_text(self.with_pos_embed(tgt_text_inter, query_pos_text).flatten(1, 2),
                                          reference_points_text.flatten(1, 2), src, src_spatial_shapes,
                                          level_start_index, src_padding_mask).reshape(tgt_text_inter.shape)

@@ -60,6 +60,7 @@ class TESTR(nn.Module):
             dropout=self.dropout, activation=self.activation, return_intermediate_dec=self.return_intermediate_dec,
             num_feature_levels=self.num_feature_levels, dec_n_points=self.dec_n_points,
             enc_n_points=self.enc_n_points, num_proposals=self.num_proposals,
+            slot_references=t.TEXT_SLOT_REFERENCES,
         )
         self.ctrl_point_class = nn.Linear(self.d_model, self.num_classes)
         self.ctrl_point_coord = MLP(self.d_model, self.d_model, 2, 3)
