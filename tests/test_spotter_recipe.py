@@ -184,3 +184,19 @@ def test_slot_references_give_each_character_slot_its_share_of_the_box():
     on = _model(_cfg("micro.yaml", "MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES", "True"))
     assert all(layer.slot_references for layer in on.testr.transformer.decoder.layers)
     assert not any(layer.slot_references for layer in _model(_cfg("micro.yaml")).testr.transformer.decoder.layers)
+
+
+def test_the_probe_says_where_each_character_slot_looks():
+    """tools/probe_spotter.py's slot_placement on freshly built models (sampling offsets a symmetric ring, uniform
+    attention): every slot looks at the box's centre (upstream), or, with slot references, at the centre of its
+    share of the box: (s + 0.5) / 8 - 0.5 box widths, by hand."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("probe_spotter", CONFIGS.parents[2] / "tools" / "probe_spotter.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    images = [{"image": torch.rand(3, 96, 128) * 255, "height": 96, "width": 128}]
+    upstream = probe.slot_placement(_model(_cfg("micro.yaml")), images)
+    assert upstream["slot_spread"] < 1e-5 and max(map(abs, upstream["slot_x"])) < 1e-5
+    spread = probe.slot_placement(_model(_cfg("micro.yaml", "MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES", "True")), images)
+    assert spread["slot_x"] == pytest.approx([(s + 0.5) / 8 - 0.5 for s in range(8)], abs=2e-3)

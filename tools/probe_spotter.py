@@ -73,6 +73,45 @@ def reference_placement(model, mapper, records, truth: dict | None = None) -> di
     return {"reference_centre_in_word": inside / max(total, 1), "reference_iou_mean": sum(ious) / max(len(ious), 1)}
 
 
+def slot_placement(model, images) -> dict:
+    """Where each character slot's text queries look, in the last decoder layer: the attention-weighted mean of
+    their sampling points' x offset from their proposal's box centre, in box widths (averaged over heads, queries
+    and `images`, a list of mapped test records), and how far apart one query's slots look (the mean over queries
+    of the slots' standard deviation). Slots that read look where their characters are: slot 0 left, the last
+    right."""
+    import torch
+
+    layer = model.testr.transformer.decoder.layers[-1]
+    attn, seen = layer.attn_cross_text, {}
+    hooks = [attn.sampling_offsets.register_forward_hook(lambda m, i, o: seen.__setitem__("offsets", o)),
+             attn.attention_weights.register_forward_hook(lambda m, i, o: seen.__setitem__("weights", o)),
+             layer.register_forward_pre_hook(lambda m, args: seen.__setitem__("refs", args[4]))]
+    h, lv, p, slots = attn.n_heads, attn.n_levels, attn.n_points, model.testr.max_text_len
+    centres = []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for image in images:
+                model([image])
+                offsets = seen["offsets"].view(-1, slots, h, lv, p, 2)[..., 0]
+                weights = seen["weights"].view(-1, slots, h, lv * p).softmax(-1).view(-1, slots, h, lv, p)
+                box = seen["refs"][0]  # (Q, L, 4): the proposal's box per level, as the layer gets it
+                share = box[:, None].expand(-1, slots, -1, -1)  # (Q, S, L, 4): what each slot samples around
+                if getattr(layer, "slot_references", False):
+                    from testr.layers.deformable_transformer import slot_boxes
+
+                    share = slot_boxes(share)
+                share, box = share[:, :, None, :, None], box[:, None, None, :, None]  # against (Q, S, h, L, p)
+                x = share[..., 0] + offsets / p * share[..., 2] * 0.5  # where each point samples
+                x = (x - box[..., 0]) / box[..., 2]  # from the box's centre, in box widths
+                centres.append((x * weights).sum((-1, -2)).mean(-1))  # (Q, S)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    c = torch.cat(centres)
+    return {"slot_x": [round(float(v), 3) for v in c.mean(0)], "slot_spread": round(float(c.std(-1).mean()), 4)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="log.jsonl, result.json and the weights (model.pth) go here")
@@ -148,7 +187,8 @@ def main(argv=None) -> int:
     from testr.train import save_checkpoint
 
     save_checkpoint(out / "model.pth", model, iteration=step)  # a probe that decides may seed the long run
-    result = {"steps": step, **reference_placement(model, mapper, records[:60], truth)}
+    result = {"steps": step, **reference_placement(model, mapper, records[:60], truth),
+              **slot_placement(model, [DatasetMapperWithBasis(cfg, is_train=False)(r) for r in records[:12]])}
     if args.eval_count:  # what the probe's weights read on pictures it never trained on
         from d2export.charset import charset
         from train_spotter import evaluate
