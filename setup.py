@@ -1,6 +1,9 @@
 """d2export: export detectron2 detectors with deformable attention (TESTR-like text spotters) to ONNX and serve them."""
 import os
 import re
+import shutil
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -34,7 +37,8 @@ NATIVE_FLAGS = (["/O2", "/std:c++17"] if os.name == "nt"
 MSDA_NATIVE = Extension(
     "d2export.runtime._msda_native",
     sources=["d2export/runtime/native/msda_op.cc"],
-    depends=["d2export/runtime/native/ort_abi.h"],
+    depends=["d2export/runtime/native/ort_abi.h", "d2export/runtime/native/msda_sample.h",
+             "d2export/runtime/native/msda_op.h"],
     extra_compile_args=NATIVE_FLAGS,
     extra_link_args=[] if os.name == "nt" else ["-pthread"],
     export_symbols=["RegisterCustomOps"],
@@ -43,11 +47,80 @@ MSDA_NATIVE = Extension(
 )
 
 
+# The same library with the operator's CUDA kernel beside the CPU one (d2export/runtime/native/msda_op_cuda.cu), built
+# where nvcc is found (PATH, else $CUDA_HOME/bin): d2export/runtime/_msda_cuda*.so, which d2export registers instead of
+# _msda_native where it exists (its CPU kernel is the same code, built with the same flags). Machine code for sm_80
+# (A100) and sm_90 (H100/H200) plus sm_90 PTX that newer GPUs compile when they load it; cudart linked statically, so
+# it needs only the driver, and only once a CUDA session runs it (it loads into a CPU-only onnxruntime without one).
+# Optional twice over: no nvcc, a failing nvcc, Windows or macOS, or D2EXPORT_CUDA=0 leaves the CPU library alone,
+# with one line saying so.
+CUDA_SOURCE = "d2export/runtime/native/msda_op_cuda.cu"
+CUDA_ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+              "-gencode", "arch=compute_90,code=compute_90"]
+NATIVE_HEADERS = ["d2export/runtime/native/ort_abi.h", "d2export/runtime/native/msda_op.h",
+                  "d2export/runtime/native/msda_sample.h"]
+MSDA_CUDA = Extension(
+    "d2export.runtime._msda_cuda",
+    sources=["d2export/runtime/native/msda_op.cc"],  # plus CUDA_SOURCE, which BuildExt hands to nvcc
+    depends=NATIVE_HEADERS + [CUDA_SOURCE],
+    define_macros=[("D2_MSDA_CUDA", "1")],
+    extra_compile_args=NATIVE_FLAGS,
+    export_symbols=["RegisterCustomOps"],
+    language="c++",
+    optional=True,
+)
+WANT_CUDA = os.name != "nt" and sys.platform != "darwin" and os.environ.get("D2EXPORT_CUDA", "1") != "0"
+
+
+def find_nvcc() -> "str | None":
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = Path(home) / "bin" / "nvcc"
+    return shutil.which("nvcc") or (str(candidate) if candidate.is_file() else None)
+
+
 class BuildExt(build_ext):
     def get_export_symbols(self, ext):
         """A custom-op library, not a Python module: it exports RegisterCustomOps and no PyInit_ function (which
         build_ext would otherwise ask the Windows linker to export)."""
         return ext.export_symbols
+
+    def build_extension(self, ext):
+        if ext.name != MSDA_CUDA.name:
+            return super().build_extension(ext)
+        nvcc = find_nvcc()
+        if nvcc is None:
+            print("d2export: no nvcc found, so the MSDA operator's CUDA kernel is not built (the CPU kernel serves)")
+            return None
+        try:
+            self._build_cuda(ext, nvcc)
+        except Exception as e:  # noqa: BLE001 - whatever nvcc or the linker says, the install goes on without it
+            last = (getattr(e, "output", None) or str(e)).strip().splitlines() or [type(e).__name__]
+            print(f"d2export: the MSDA operator's CUDA kernel was not built ({last[-1][:300]}); the CPU kernel serves")
+        return None
+
+    def _build_cuda(self, ext, nvcc: str) -> None:
+        """msda_op.cc by the C++ compiler with the CPU library's flags, msda_op_cuda.cu by nvcc, linked by nvcc."""
+        try:
+            from setuptools.modified import newer_group  # setuptools 69 and newer
+        except ImportError:
+            from distutils.dep_util import newer_group
+
+        target = self.get_ext_fullpath(ext.name)
+        if not (self.force or newer_group(ext.sources + list(ext.depends), target, "newer")):
+            return
+        temp = Path(self.build_temp) / "msda_cuda"
+        temp.mkdir(parents=True, exist_ok=True)
+        objects = self.compiler.compile(ext.sources, output_dir=str(temp), macros=ext.define_macros,
+                                        extra_postargs=ext.extra_compile_args, depends=ext.depends)
+        cuda_object = str(temp / "msda_op_cuda.o")
+        # -fmad=false: no multiply-add contracted, as the CPU kernel computes (same roundings, same outputs)
+        common = ["-std=c++17", "-O3", "-fmad=false", "-DD2_MSDA_CUDA=1", "-Xcompiler", "-fPIC,-fvisibility=hidden"]
+        run = dict(check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.run([nvcc, "-c", CUDA_SOURCE, "-o", cuda_object, *common, *CUDA_ARCHS], **run)
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        # --exclude-libs: the static cudart's symbols stay inside the library (only RegisterCustomOps is exported)
+        subprocess.run([nvcc, "-shared", "-cudart", "static", "-o", target, *objects, cuda_object,
+                        "-Xcompiler", "-pthread", "-Xlinker", "--exclude-libs,ALL"], **run)
 
 
 setup(
@@ -59,7 +132,7 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["d2export", "d2export.*"]),
     package_data={"d2export": ["py.typed"]},
-    ext_modules=[MSDA_NATIVE],
+    ext_modules=[MSDA_NATIVE] + [MSDA_CUDA] * WANT_CUDA,
     cmdclass={"build_ext": BuildExt},
     install_requires=[
         # detectron2 is required too, but it is not on the registry for every Python: see scripts/install_detectron2.py

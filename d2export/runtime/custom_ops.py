@@ -4,7 +4,9 @@ A graph exported with `export.sampler=fused` holds one `d2export.MultiScaleDefor
 (inputs value, spatial_shapes, level_start_index, sampling_locations, attention_weights; output [N, Lq, M*D]). Two
 kernels compute it on the CPU, the same way:
 - "native": a C++ custom-op library (d2export/runtime/native) that setup.py builds beside this module where a compiler
-  exists; onnxruntime loads it and runs it on the session's own intra-op threads;
+  exists; onnxruntime loads it and runs it on the session's own intra-op threads. Where nvcc was found too, setup.py
+  builds the same library with a CUDA kernel beside the CPU one (`_msda_cuda*`), registered instead: a CPU session
+  still runs the CPU kernel ("native"), a session on onnxruntime's CUDA provider runs the CUDA one ("cuda");
 - "numba": a compiled numba kernel (`msda_kernel`) that onnxruntime-extensions hands to onnxruntime (the `fused` extra).
 The native one serves where it is built, numba otherwise; `D2EXPORT_MSDA_KERNEL=native|numba` forces one (tests,
 benchmarks). The manifest lists the operators a graph needs (`custom_ops`); `register` makes a SessionOptions able to
@@ -29,6 +31,8 @@ EXTRA_HINT = "pip install 'd2export[fused]'"
 KERNEL_ENV = "D2EXPORT_MSDA_KERNEL"
 KERNELS = ("native", "numba")
 NATIVE_NAME = "_msda_native"  # setup.py's Extension d2export.runtime._msda_native
+CUDA_NAME = "_msda_cuda"  # setup.py's Extension d2export.runtime._msda_cuda: the same library plus the CUDA kernel
+CUDA_PROVIDER = "CUDAExecutionProvider"
 
 
 class MissingExtra(RuntimeError):
@@ -92,10 +96,17 @@ def kernel() -> Kernel:
         return Kernel("numba", _define(native_built=native is not None))
 
 
-def serving_kernel(ops: Iterable[str]) -> str | None:
-    """The kernel ("native" or "numba") that serves the fused operator among `ops` (as the manifest lists them);
-    None when they hold none."""
-    return kernel().name if FUSED_MSDA_ID in ops else None
+def serving_kernel(ops: Iterable[str], providers: Iterable[str] | None = None) -> str | None:
+    """The kernel ("native", "numba" or "cuda") that serves the fused operator among `ops` (as the manifest lists
+    them) in a session on `providers` (onnxruntime's names, as `session.get_providers()` gives them; None: the CPU
+    provider); None when they hold none. "cuda" where the session runs onnxruntime's CUDA provider and the registered
+    library has the CUDA kernel (onnxruntime places the node there); the CPU kernel stays "native"."""
+    if FUSED_MSDA_ID not in ops:
+        return None
+    chosen = kernel()
+    if chosen.name == "native" and CUDA_PROVIDER in (providers or ()) and _is_cuda_build(chosen.library):
+        return "cuda"
+    return chosen.name
 
 
 @contextlib.contextmanager
@@ -114,12 +125,26 @@ def forcing(name: str | None):
 
 
 def native_library() -> str | None:
-    """The native MSDA library's path, where setup.py built it (beside this module), else None. The library does
-    not depend on Python's ABI, so a build under another Python's suffix serves too."""
+    """The native MSDA library's path, where setup.py built it (beside this module), else None: the build with the
+    CUDA kernel where there is one (it holds the same CPU kernel, and loads without a GPU or a driver), else the CPU
+    build. The library does not depend on Python's ABI, so a build under another Python's suffix serves too."""
+    return cuda_library() or _built(NATIVE_NAME)
+
+
+def cuda_library() -> str | None:
+    """The native library built with the CUDA kernel (where setup.py found nvcc), else None."""
+    return _built(CUDA_NAME)
+
+
+def _built(name: str) -> str | None:
     here = Path(__file__).resolve().parent
-    exact = [here / f"{NATIVE_NAME}{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-    others = sorted(here.glob(f"{NATIVE_NAME}*.so")) + sorted(here.glob(f"{NATIVE_NAME}*.pyd"))
+    exact = [here / f"{name}{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    others = sorted(here.glob(f"{name}*.so")) + sorted(here.glob(f"{name}*.pyd"))
     return next((str(p) for p in exact + others if p.is_file()), None)
+
+
+def _is_cuda_build(library: str) -> bool:
+    return Path(library).name.startswith(CUDA_NAME)
 
 
 def file_ops(path) -> list[str]:

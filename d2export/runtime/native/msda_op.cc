@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "msda_op.h"
+#include "msda_sample.h"
 #include "ort_abi.h"
 
 namespace {
@@ -91,7 +93,7 @@ struct Problem {
 inline void blend4(float* __restrict acc, const float* __restrict a, const float* __restrict b,
                    const float* __restrict c, const float* __restrict d, float w00, float w01, float w10, float w11,
                    int64_t n) {
-  for (int64_t k = 0; k < n; ++k) acc[k] += (w00 * a[k] + w01 * b[k]) + (w10 * c[k] + w11 * d[k]);
+  for (int64_t k = 0; k < n; ++k) acc[k] += msda::blend(a[k], b[k], c[k], d[k], w00, w01, w10, w11);
 }
 
 // Built for the default x86-64 target (the library may move between CPUs), the D loop would get 4-float SSE vectors
@@ -117,27 +119,10 @@ D2_CLONES void compute_row(const Problem& p, int64_t row) {
       const float* level = head + p.starts[lv] * width_md;
       const int64_t first = ((row * p.heads + h) * p.levels + lv) * p.points;  // loc and attn: [row, M, L, P]
       for (int64_t i = first; i < first + p.points; ++i) {
-        const double x = static_cast<double>(p.loc[2 * i]) * width - 0.5;
-        const double y = static_cast<double>(p.loc[2 * i + 1]) * height - 0.5;
-        if (!(x > -1.0 && y > -1.0 && x < width && y < height)) continue;  // every corner in the padding, or NaN
-        const double a = p.attn[i];
-        const double fx0 = std::floor(x), fy0 = std::floor(y);
-        const int64_t x0 = static_cast<int64_t>(fx0), y0 = static_cast<int64_t>(fy0);
-        double wx1 = x - fx0, wy1 = y - fy0, wx0 = 1.0 - wx1, wy0 = 1.0 - wy1;
-        // A corner outside the level weighs 0 and reads a clamped (valid) pixel instead: no branch per corner
-        // inside the D loop.
-        if (x0 < 0) wx0 = 0.0;
-        if (x0 + 1 >= width) wx1 = 0.0;
-        if (y0 < 0) wy0 = 0.0;
-        if (y0 + 1 >= height) wy1 = 0.0;
-        wy0 *= a;
-        wy1 *= a;
-        const int64_t left = std::max<int64_t>(x0, 0), right = std::min<int64_t>(x0 + 1, width - 1);
-        const int64_t top = std::max<int64_t>(y0, 0) * width, bottom = std::min<int64_t>(y0 + 1, height - 1) * width;
-        blend4(acc_h, level + (top + left) * width_md, level + (top + right) * width_md,
-               level + (bottom + left) * width_md, level + (bottom + right) * width_md,
-               static_cast<float>(wy0 * wx0), static_cast<float>(wy0 * wx1), static_cast<float>(wy1 * wx0),
-               static_cast<float>(wy1 * wx1), p.dim);
+        msda::Corners c;
+        if (!msda::corners(p.loc[2 * i], p.loc[2 * i + 1], p.attn[i], height, width, c)) continue;
+        blend4(acc_h, level + c.top_left * width_md, level + c.top_right * width_md, level + c.bottom_left * width_md,
+               level + c.bottom_right * width_md, c.w00, c.w01, c.w10, c.w11, p.dim);
       }
     }
   }
@@ -184,8 +169,10 @@ OrtStatus* check(const OrtApi* api, const std::vector<int64_t>& value, const std
   return nullptr;
 }
 
-OrtStatus* compute(const Runtime& rt, OrtKernelContext* context) {
-  const OrtApi* api = rt.api;
+}  // namespace
+
+// Declared in msda_op.h: the CUDA kernel reads its inputs through this too.
+OrtStatus* msda::prepare(const OrtApi* api, OrtKernelContext* context, msda::Tensors& t) {
   const OrtValue* inputs[5];
   std::vector<int64_t> dims[5];
   void* data[5];
@@ -208,12 +195,22 @@ OrtStatus* compute(const Runtime& rt, OrtKernelContext* context) {
                                                                                               &output));
   void* out_data = nullptr;
   RETURN_IF_ERROR(ort::get<ort::GetTensorMutableDataFn>(api, ort::GetTensorMutableData)(output, &out_data));
+  t = msda::Tensors{data[0], shape_data, start_data, static_cast<const float*>(data[3]),
+                    static_cast<const float*>(data[4]), out_data, value[0], value[1], value[2], value[3],
+                    loc[1], loc[3], loc[4]};
+  return nullptr;
+}
 
-  Problem problem{static_cast<const float*>(data[0]), shape_data, start_data, static_cast<const float*>(data[3]),
-                  static_cast<const float*>(data[4]), static_cast<float*>(out_data), value[1], value[2], value[3],
-                  loc[1], loc[3], loc[4]};
-  const size_t rows = static_cast<size_t>(value[0] * loc[1]);
-  if (rows == 0 || out_dims[2] == 0) return nullptr;
+namespace {
+
+OrtStatus* compute(const Runtime& rt, OrtKernelContext* context) {
+  const OrtApi* api = rt.api;
+  msda::Tensors t;
+  RETURN_IF_ERROR(msda::prepare(api, context, t));
+  Problem problem{static_cast<const float*>(t.value), t.shapes, t.starts, t.loc, t.attn, static_cast<float*>(t.out),
+                  t.tokens, t.heads, t.dim, t.queries, t.levels, t.points};
+  const size_t rows = static_cast<size_t>(t.batch * t.queries);
+  if (rows == 0 || t.heads * t.dim == 0) return nullptr;
   if (rt.parallel) {
     // num_batch 0: onnxruntime hands rows to its threads as they come free (rows cost alike, but threads do not
     // run alike on a shared machine).
@@ -289,6 +286,13 @@ void set_up(const OrtApiBase* base, Runtime& rt) {
   OrtCustomOpDomain* domain = nullptr;
   OrtStatus* status = ort::get<ort::CreateCustomOpDomainFn>(rt.api, ort::CreateCustomOpDomain)(kDomain, &domain);
   if (!status) status = ort::get<ort::CustomOpDomain_AddFn>(rt.api, ort::CustomOpDomain_Add)(domain, &g_op);
+#if defined(D2_MSDA_CUDA)
+  // The same operator for the CUDA execution provider, in the same domain (onnxruntime picks the kernel by the
+  // node's provider and types). A session without that provider never creates them.
+  for (size_t k = 0; !status && k < msda::cuda_op_count(); ++k) {
+    status = ort::get<ort::CustomOpDomain_AddFn>(rt.api, ort::CustomOpDomain_Add)(domain, msda::cuda_op(k));
+  }
+#endif
   if (!status) {
     rt.domain = domain;
     return;

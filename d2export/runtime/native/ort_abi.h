@@ -31,9 +31,15 @@ struct OrtTensorTypeAndShapeInfo;
 struct OrtShapeInferContext;
 
 // Enumerations: only the values used here; they are the ABI's integers (TensorProto's data types, etc.).
-enum ONNXTensorElementDataType { ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1, ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 = 7 };
+enum ONNXTensorElementDataType {
+  ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
+  ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 = 7,
+  ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
+};
 enum OrtErrorCode { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
-enum OrtMemType { OrtMemTypeDefault = 0 };
+// OrtMemTypeCPUInput: an input a non-CPU provider's kernel reads from host memory (onnxruntime copies it there only
+// where its producer ran elsewhere).
+enum OrtMemType { OrtMemTypeCPUInput = -2, OrtMemTypeDefault = 0 };
 enum OrtCustomOpInputOutputCharacteristic { INPUT_OUTPUT_REQUIRED = 0 };
 
 struct OrtApiBase {
@@ -101,6 +107,9 @@ enum Entry : size_t {
   ReleaseStatus = 93,                // v1 (ORT_CLASS_RELEASE(Status))
   ReleaseTensorTypeAndShapeInfo = 99,  // v1 (ORT_CLASS_RELEASE(TensorTypeAndShapeInfo))
   ReleaseCustomOpDomain = 101,       // v1 (ORT_CLASS_RELEASE(CustomOpDomain))
+  // v10 (onnxruntime 1.10): upstream's onnxruntime_c_api.cc asserts GetSparseTensorIndices at 191, the end of v9; v10
+  // opens with HasValue (192), then this.
+  KernelContext_GetGPUComputeStream = 193,
   KernelContext_ParallelFor = 274,   // v17 (onnxruntime 1.17)
 };
 
@@ -123,6 +132,9 @@ using KernelContext_GetInputFn = OrtStatus*(ORT_API_CALL*)(const OrtKernelContex
 using KernelContext_GetOutputFn = OrtStatus*(ORT_API_CALL*)(OrtKernelContext* context, size_t index,
                                                             const int64_t* dims, size_t count, OrtValue** out) noexcept;
 using ReleaseTensorTypeAndShapeInfoFn = void(ORT_API_CALL*)(OrtTensorTypeAndShapeInfo* info) noexcept;
+// The provider's compute stream (a cudaStream_t for the CUDA provider; nullptr where it has none).
+using KernelContext_GetGPUComputeStreamFn = OrtStatus*(ORT_API_CALL*)(const OrtKernelContext* context,
+                                                                      void** out) noexcept;
 using KernelContext_ParallelForFn = OrtStatus*(ORT_API_CALL*)(const OrtKernelContext* context,
                                                               void (*fn)(void* data, size_t index), size_t total,
                                                               size_t num_batch, void* data) noexcept;

@@ -1,0 +1,36 @@
+// What the CPU kernel's translation unit (msda_op.cc) shares with the CUDA kernel's (msda_op_cuda.cu), where the
+// library is built with both (D2_MSDA_CUDA): the inputs read and checked once, the same way, and the CUDA ops that
+// RegisterCustomOps adds beside the CPU one.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ort_abi.h"
+
+namespace msda {
+
+// One call's tensors, shapes checked and output created. The level tables are host memory for every kernel (the
+// CUDA op declares them CPU inputs); the other pointers are in the kernel's own memory.
+struct Tensors {
+  const void* value;     // [N, S, M, D]
+  const int64_t* shapes;  // [L, 2] (H, W)
+  const int64_t* starts;  // [L]
+  const float* loc;       // [N, Lq, M, L, P, 2]
+  const float* attn;      // [N, Lq, M, L, P]
+  void* out;              // [N, Lq, M * D]
+  int64_t batch, tokens, heads, dim, queries, levels, points;
+};
+
+// Reads the context's five inputs, checks their shapes (an ORT_INVALID_ARGUMENT status naming the problem) and
+// creates the output: nullptr on success (msda_op.cc).
+OrtStatus* prepare(const OrtApi* api, OrtKernelContext* context, Tensors& t);
+
+#if defined(D2_MSDA_CUDA)
+// The CUDA execution provider's ops (msda_op_cuda.cu): `cuda_op_count()` of them, float32 and float16 value/output.
+// Declaring them calls nothing in CUDA: a library with them loads and registers without a GPU or a driver.
+size_t cuda_op_count();
+const OrtCustomOp* cuda_op(size_t index);
+#endif
+
+}  // namespace msda

@@ -1,0 +1,238 @@
+"""The fused MSDA operator's CUDA build (d2export/runtime/native/msda_op_cuda.cu, built by setup.py where nvcc exists),
+checked without a GPU: the library carries sm_80 and sm_90 machine code and sm_90 PTX; the sampling header the CUDA
+kernel computes with (msda_sample.h) matches a float64 reference on the CPU, through the CUDA kernel's own per-element
+function compiled by the host compiler; and the library loads into a CPU-only onnxruntime (no GPU, no driver) and
+serves the fused operator there exactly as the CPU-only library does."""
+import ctypes
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from d2export.runtime import custom_ops
+from test_native_msda import CASES, _feed, _inputs, _session, assert_close
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "d2export" / "runtime" / "native"
+FATBIN_MAGIC = 0xBA55ED50
+PTX, CUBIN = 1, 2  # a fatbin entry's kind
+
+
+@pytest.fixture(scope="module")
+def cuda_library() -> str:
+    """The built CUDA library. Skipped only where setup.py could not have built it (no nvcc); with nvcc, missing
+    fails."""
+    path = custom_ops.cuda_library()
+    if path is None:
+        if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").is_file():
+            pytest.skip("no nvcc on this machine, so setup.py could not build the CUDA MSDA library")
+        pytest.fail("nvcc exists but the CUDA MSDA library is not built (no d2export/runtime/_msda_cuda*.so): run "
+                    "`pip install --no-deps --no-build-isolation -e .`, which builds it (D2EXPORT_CUDA unset)")
+    return path
+
+
+def _section(path: str, name: str) -> bytes:
+    """An ELF64 little-endian section's bytes (b"" where there is none)."""
+    data = Path(path).read_bytes()
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[5] == 1, "not a 64-bit little-endian ELF file"
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+    for sh_name, _, _, _, offset, size, *_ in headers:
+        end = data.index(b"\0", names_at + sh_name)
+        if data[names_at + sh_name:end].decode() == name:
+            return data[offset:offset + size]
+    return b""
+
+
+def fatbin_entries(path: str) -> set[tuple[int, int]]:
+    """(kind, sm) of every image in the library's .nv_fatbin section: the containers nvcc writes (magic 0xBA55ED50,
+    version, header size, size), each a run of entries (kind: 1 PTX, 2 cubin; header size; payload size; the SM
+    version at byte 28). cuobjdump --list-elf/--list-ptx reads the same headers where it is installed."""
+    blob, found, at = _section(path, ".nv_fatbin"), set(), 0
+    while at + 16 <= len(blob):
+        magic, _, header, size = struct.unpack_from("<IHHQ", blob, at)
+        if magic != FATBIN_MAGIC:
+            at += 8  # containers are 8-byte aligned
+            continue
+        entry, end = at + header, at + header + size
+        while entry < end:
+            kind, _, entry_header, payload = struct.unpack_from("<HHIQ", blob, entry)
+            found.add((kind, struct.unpack_from("<I", blob, entry + 28)[0]))
+            entry += entry_header + payload
+        at = end
+    return found
+
+
+def test_library_carries_sm80_sm90_cubins_and_sm90_ptx(cuda_library):
+    sections = subprocess.run(["readelf", "-S", "-W", cuda_library], capture_output=True, text=True).stdout \
+        if shutil.which("readelf") else ""
+    assert ".nv_fatbin" in sections or not shutil.which("readelf"), sections[-2000:]
+    entries = fatbin_entries(cuda_library)
+    assert {(CUBIN, 80), (CUBIN, 90), (PTX, 90)} <= entries, sorted(entries)
+    cuobjdump = shutil.which("cuobjdump") or next(
+        (str(p) for p in [Path("/usr/local/cuda/bin/cuobjdump")] if p.is_file()), None)
+    if cuobjdump:  # the toolkit's own reading, where it is installed (not on every build machine)
+        listed = subprocess.run([cuobjdump, "--list-elf", "--list-ptx", cuda_library], capture_output=True,
+                                text=True).stdout
+        assert "sm_80" in listed and "sm_90" in listed, listed
+
+
+def test_library_exports_only_registration_and_needs_no_cuda_library(cuda_library):
+    """cudart is linked in statically and kept inside: the library needs no libcudart/libcuda to load, and exports
+    RegisterCustomOps and no CUDA symbol that could stand in for the runtime onnxruntime's CUDA provider uses."""
+    if not shutil.which("readelf"):
+        pytest.skip("no readelf")
+    dynamic = subprocess.run(["readelf", "-d", "-W", cuda_library], capture_output=True, text=True).stdout
+    assert "libcudart" not in dynamic and "libcuda." not in dynamic, dynamic
+    symbols = subprocess.run(["readelf", "--dyn-syms", "-W", cuda_library], capture_output=True, text=True).stdout
+    exported = {line.split()[-1] for line in symbols.splitlines()
+                if " GLOBAL " in line and " UND " not in line and "DEFAULT" in line}
+    assert "RegisterCustomOps" in exported
+    assert not [s for s in exported if s.startswith(("cuda", "__cuda", "cu"))], sorted(exported)
+
+
+# --- the shared header on the CPU ------------------------------------------------------------------------------
+_HARNESS = r"""
+#include "msda_sample.h"
+// The CUDA kernel's loop, one output element at a time, on the host: the same msda::element it calls on the GPU.
+extern "C" void msda_elements(const float* value, const int64_t* shapes, const int64_t* starts, const float* loc,
+                              const float* attn, float* out, int64_t batch, int64_t tokens, int64_t heads,
+                              int64_t dim, int64_t queries, int levels, int64_t points) {
+  msda::Levels table{};
+  for (int lv = 0; lv < levels; ++lv) {
+    table.height[lv] = shapes[2 * lv];
+    table.width[lv] = shapes[2 * lv + 1];
+    table.start[lv] = starts[lv];
+  }
+  const int64_t width_md = heads * dim, total = batch * queries * heads * dim;
+  for (int64_t idx = 0; idx < total; ++idx) {
+    const int64_t d = idx % dim, row_head = idx / dim, h = row_head % heads, row = row_head / heads;
+    const float* head = value + (row / queries) * tokens * width_md + h * dim + d;
+    out[idx] = msda::element(head, loc, attn, table, levels, points, row_head, width_md,
+                             [](const float* p) { return *p; });
+  }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory):
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the header's test harness")
+    folder = tmp_path_factory.mktemp("msda_sample")
+    (folder / "harness.cc").write_text(_HARNESS)
+    library = folder / "harness.so"
+    # the CPU library's own flags (setup.py's NATIVE_FLAGS): no contraction into multiply-adds, as nvcc -fmad=false
+    subprocess.run([compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", f"-I{NATIVE}",
+                    str(folder / "harness.cc"), "-o", str(library)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(library))
+    lib.msda_elements.restype = None
+    return lib
+
+
+def _elements(lib, value, shapes, starts, loc, attn) -> np.ndarray:
+    value, loc, attn = (np.ascontiguousarray(a, np.float32) for a in (value, loc, attn))
+    shapes, starts = (np.ascontiguousarray(a, np.int64) for a in (shapes, starts))
+    n, s, m, d = value.shape
+    _, lq, _, levels, points, _ = loc.shape
+    out = np.empty((n, lq, m * d), np.float32)
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    lib.msda_elements(ptr(value), ptr(shapes), ptr(starts), ptr(loc), ptr(attn), ptr(out), *map(ctypes.c_int64, (
+        n, s, m, d, lq)), ctypes.c_int(levels), ctypes.c_int64(points))
+    return out
+
+
+HEADER_CASES = {  # level shapes (H, W), batch, queries, heads, dim, points: odd level counts, non-square levels
+    "3 non-square levels, batch 2": ([(6, 5), (3, 7), (2, 4)], 2, 9, 3, 8, 4),
+    "5 levels, batch 3, odd D, P=3": ([(7, 3), (5, 9), (4, 2), (2, 3), (1, 5)], 3, 4, 2, 5, 3),
+    "1 level, 1-pixel wide": ([(5, 1)], 2, 6, 1, 4, 2),
+}
+
+
+@pytest.mark.parametrize("seed, case", enumerate(HEADER_CASES.values()), ids=HEADER_CASES.keys())
+def test_header_element_matches_float64_reference(harness, seed, case):
+    """Locations in [-0.3, 1.3] plus points planted outside every level and not finite (they contribute nothing)."""
+    args, ref = _inputs(*case, seed=10 + seed)
+    assert np.abs(ref).max() > 0.1
+    assert not np.isfinite(args[3]).all() and ((args[3] < 0) | (args[3] > 1)).any()  # the planted points are in
+    assert_close(_elements(harness, *args), ref)
+
+
+def test_header_element_is_the_cpu_kernel_bit_for_bit(harness, cuda_library):
+    """The CUDA kernel's per-element loop and the CPU kernel's per-row loop sum the same terms in the same order."""
+    args, _ = _inputs(*CASES["3 non-square levels, batch 2, 3 heads, P=4"], seed=21)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(cuda_library)
+    assert np.array_equal(_elements(harness, *args), _session(options).run(None, _feed(args))[0])
+
+
+def test_header_teeth_a_shifted_location_fails(harness):
+    args, ref = _inputs(*HEADER_CASES["5 levels, batch 3, odd D, P=3"], seed=30)
+    widths = args[1][:, 1].astype(np.float32)
+    args[3][..., 0] += 0.01 / widths[None, None, None, :, None]
+    with pytest.raises(AssertionError, match="outputs off"):
+        assert_close(_elements(harness, *args), ref)
+
+
+# --- the CUDA build in a CPU-only onnxruntime --------------------------------------------------------------------
+def test_cpu_session_serves_the_fused_op_from_the_cuda_build_unchanged(cuda_library):
+    """The library registers the CPU op and the CUDA ops in one domain; onnxruntime's CPU provider (the only one
+    here: no GPU, no driver) runs the CPU kernel, whose outputs are those of the CPU-only build, bit for bit."""
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("an onnxruntime with the CUDA provider: the CPU-only case is the one checked here")
+    cpu_only = custom_ops._built(custom_ops.NATIVE_NAME)
+    for seed, case in enumerate(CASES.values()):
+        args, ref = _inputs(*case, seed=40 + seed)
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(cuda_library)
+        out = _session(options, threads=2).run(None, _feed(args))[0]
+        assert_close(out, ref)
+        if cpu_only:
+            options = ort.SessionOptions()
+            options.register_custom_ops_library(cpu_only)
+            assert np.array_equal(out, _session(options).run(None, _feed(args))[0])
+
+
+def test_custom_ops_registers_the_cuda_build_and_names_the_kernel(cuda_library, monkeypatch):
+    monkeypatch.delenv(custom_ops.KERNEL_ENV, raising=False)
+    assert custom_ops.kernel() == ("native", cuda_library)  # it holds the CPU kernel too
+    options = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+    session = _session(options)
+    args, ref = _inputs(*CASES["P=1, batch 3, odd D"], seed=50)
+    assert_close(session.run(None, _feed(args))[0], ref)
+    ops = [custom_ops.FUSED_MSDA_ID]
+    assert custom_ops.serving_kernel(ops, session.get_providers()) == "native"
+    assert custom_ops.serving_kernel(ops) == "native"
+    assert custom_ops.serving_kernel(ops, ["CUDAExecutionProvider", "CPUExecutionProvider"]) == "cuda"
+    assert custom_ops.serving_kernel([], ["CUDAExecutionProvider"]) is None
+    monkeypatch.setattr(custom_ops, "cuda_library", lambda: None)  # as where nvcc was missing: the CPU build alone
+    if custom_ops._built(custom_ops.NATIVE_NAME):
+        assert custom_ops.serving_kernel(ops, ["CUDAExecutionProvider", "CPUExecutionProvider"]) == "native"
+    monkeypatch.setenv(custom_ops.KERNEL_ENV, "numba")
+    assert custom_ops.serving_kernel(ops, ["CUDAExecutionProvider"]) == "numba"
+
+
+_LOAD_ALONE = """
+import ctypes, ctypes.util, sys
+import onnxruntime as ort
+from d2export.runtime import custom_ops
+library = custom_ops.cuda_library()
+ctypes.CDLL(library)  # loads (its static initialisers register the fatbin with cudart, which asks no driver)
+options = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+assert custom_ops.kernel().library == library
+print("driver" if ctypes.util.find_library("cuda") else "no driver")
+"""
+
+
+def test_cuda_build_loads_and_registers_in_a_fresh_process(cuda_library):
+    done = subprocess.run([sys.executable, "-c", _LOAD_ALONE], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() in ("driver", "no driver")
