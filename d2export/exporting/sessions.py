@@ -27,9 +27,9 @@ def session(path: Path, providers):
 
 def ran_on(session, path: Path) -> dict:
     """The providers a verification really ran on, with their options, and for a fused graph the kernel that
-    computed its operator ("native" or "numba"): what a server must use to serve the same."""
+    computed its operator ("native", "numba" or "cuda"): what a server must use to serve the same."""
     ran = {"providers": session.get_providers(), "provider_options": session.get_provider_options()}
-    kernel = custom_ops.serving_kernel(custom_ops.file_ops(path))
+    kernel = custom_ops.serving_kernel(custom_ops.file_ops(path), session.get_providers())
     return ran | ({"msda_kernel": kernel} if kernel else {})
 
 

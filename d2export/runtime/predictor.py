@@ -187,6 +187,8 @@ class Predictor(Processing):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelLoadError(f"{self.model_path}: not a loadable ONNX model ({first[:300]})") from None
         check_schema(self.model_path, self.manifest, self.session)
+        # the kernel that really serves: the CUDA one where onnxruntime placed the session on its CUDA provider
+        self.msda_kernel = custom_ops.serving_kernel(self.manifest.custom_ops, self.session.get_providers())
 
     # the graph -----------------------------------------------------------------------------------------------------
     def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
