@@ -200,3 +200,43 @@ def test_the_probe_says_where_each_character_slot_looks():
     assert upstream["slot_spread"] < 1e-5 and max(map(abs, upstream["slot_x"])) < 1e-5
     spread = probe.slot_placement(_model(_cfg("micro.yaml", "MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES", "True")), images)
     assert spread["slot_x"] == pytest.approx([(s + 0.5) / 8 - 0.5 for s in range(8)], abs=2e-3)
+
+
+def _slot_logits(slots: list[int], classes=97, margin=12.0):
+    """(1, T, classes) logits, each slot sure of its class."""
+    logits = torch.zeros(1, len(slots), classes)
+    logits[0, torch.arange(len(slots)), torch.tensor(slots)] = margin
+    return logits
+
+
+def test_ctc_reads_a_word_from_any_placement_of_its_characters():
+    """TEXT_CTC: slots "c c a <none> t t <none> <none>" spell "cat" (runs collapse, "no character" is the blank), so
+    the CTC loss is near 0 where the per-slot cross-entropy (the upstream loss) is high; slots that spell another
+    word ("cta") or repeat a letter without a blank between ("caat" read as "cat" is not "caat") cost as much either
+    way. The evaluator's decoding reads the same slots as the loss."""
+    from testr.modeling.testr.criterion import SetCriterion
+
+    from d2export.charset import decode
+
+    loss_cfg = _cfg("micro.yaml").MODEL.TRANSFORMER.LOSS
+    ctc, slots = SetCriterion(loss_cfg, 96, ctc=True), SetCriterion(loss_cfg, 96)
+    c, a, t, none = 67, 65, 84, 96  # ids in the 96-class charset: chr(id + 32)
+    chars = [chr(i + 32) for i in range(95)]
+    cat = torch.tensor([[c, a, t] + [none] * 5])
+    spread = _slot_logits([c, c, a, none, t, t, none, none])
+    assert decode([c, c, a, none, t, t, none, none], chars, ctc=True) == "cat"
+    assert float(ctc.text_loss(spread, cat)) < 0.01
+    assert float(slots.text_loss(spread, cat)) > 1.0
+    assert float(ctc.text_loss(_slot_logits([c, t, a] + [none] * 5), cat)) > 1.0
+    caat = torch.tensor([[c, a, a, t] + [none] * 4])
+    assert float(ctc.text_loss(_slot_logits([c, a, a, t] + [none] * 4), caat)) > 1.0
+    assert float(ctc.text_loss(_slot_logits([c, a, none, a, t] + [none] * 3), caat)) < 0.01
+
+
+def test_ctc_trained_slots_are_read_as_ctc_by_the_export():
+    """The TESTR family's manifest says how the slots read: "ctc" where the config trained them so, else "slots"."""
+    from d2export.families.testr import FAMILY
+
+    assert FAMILY.postprocess(_cfg("micro_spotter.yaml"))["text_decoding"] == "slots"
+    on = _cfg("micro_spotter.yaml", "MODEL.TRANSFORMER.TEXT_CTC", "True")
+    assert FAMILY.postprocess(on)["text_decoding"] == "ctc"

@@ -190,17 +190,15 @@ def main(argv=None) -> int:
     result = {"steps": step, **reference_placement(model, mapper, records[:60], truth),
               **slot_placement(model, [DatasetMapperWithBasis(cfg, is_train=False)(r) for r in records[:12]])}
     if args.eval_count:  # what the probe's weights read on pictures it never trained on
-        from d2export.charset import charset
-        from train_spotter import evaluate
+        from train_spotter import evaluate, reading
 
         folder = Path(f"{args.data}_validation_{args.eval_count}")
         if not (folder / "annotations.json").is_file():
             generate("text", folder, count=args.eval_count, seed=2, size=parse_size(args.size))
         register("probe_validation", folder)
-        post = {"charset": "".join(charset(int(cfg.MODEL.TRANSFORMER.VOC_SIZE))), "text_decoding": "slots"}
         result["validation"], result["sweep"] = evaluate(model, DatasetCatalog.get("probe_validation"),
                                                          DatasetMapperWithBasis(cfg, is_train=False),
-                                                         "probe_validation", post)
+                                                         "probe_validation", reading(cfg))
     (out / "result.json").write_text(json.dumps(result) + "\n")
     print(result)
     return 0

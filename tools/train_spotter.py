@@ -48,6 +48,14 @@ def batches(records, mapper, size, seed, start):
 SWEEP = (0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)
 
 
+def reading(cfg) -> dict:
+    """How the evaluator reads the model's character slots (a manifest's `charset` and `text_decoding`)."""
+    from d2export.charset import charset
+
+    t = cfg.MODEL.TRANSFORMER
+    return {"charset": "".join(charset(int(t.VOC_SIZE))), "text_decoding": "ctc" if t.TEXT_CTC else "slots"}
+
+
 def evaluate(model, records, mapper_test, name, post):
     """The text evaluator's figures at the model's own score threshold, and the detection H-mean at each threshold
     of SWEEP ({threshold: H-mean}): the model runs once at the lowest, its detections filtered for the others."""
@@ -129,7 +137,6 @@ def main(argv=None) -> int:
     from testr.data import DatasetMapperWithBasis
     from testr.train import build_optimizer, load_checkpoint, save_checkpoint, save_weights_fp16, train_step
 
-    from d2export.charset import charset
     from d2export.datasets import generate, register
     from d2export.datasets.synth import parse_size
 
@@ -168,7 +175,7 @@ def main(argv=None) -> int:
         scheduler.step()
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
     mapper_test = DatasetMapperWithBasis(cfg, is_train=False)
-    post = {"charset": "".join(charset(int(cfg.MODEL.TRANSFORMER.VOC_SIZE))), "text_decoding": "slots"}
+    post = reading(cfg)
     clip = cfg.SOLVER.CLIP_GRADIENTS.CLIP_VALUE if cfg.SOLVER.CLIP_GRADIENTS.ENABLED else 0
     metrics = out / "metrics.jsonl"
     earlier = [json.loads(line) for line in metrics.read_text().splitlines()] if start and metrics.is_file() else []

@@ -36,7 +36,8 @@ class TESTR(TextSpotter):
 
         t = cfg.MODEL.TRANSFORMER
         chars = charset(int(t.VOC_SIZE), str(getattr(t, "CUSTOM_DICT", "") or ""))
-        return text_postprocess(t, "polygon" if t.USE_POLYGON else "bezier", chars)
+        ctc = bool(getattr(t, "TEXT_CTC", False))  # a stand-in's option: slots trained with CTC read as DeepSolo's
+        return text_postprocess(t, "polygon" if t.USE_POLYGON else "bezier", chars, ctc=ctc)
 
 
 FAMILY = TESTR()

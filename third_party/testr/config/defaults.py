@@ -36,6 +36,10 @@ def add_testr_config(cfg):
     # not upstream's (False is upstream): each character slot's text queries sample around their own share of the
     # proposal's box (slot s of S centred at x0 + w (s + 0.5) / S, width 2w / S) instead of all around the whole box
     t.TEXT_SLOT_REFERENCES = False
+    # not upstream's (False is upstream): the character slots read as DeepSolo's points do: trained with CTC (the
+    # "no character" class is the blank) and read by collapsing runs, so slot s need not hold the word's s-th
+    # character; with TEXT_SLOT_REFERENCES each slot reads what lies under its share of the box
+    t.TEXT_CTC = False
 
     # training-only, kept so upstream's YAMLs merge
     loss = t.LOSS = CN()

@@ -110,7 +110,8 @@ class TransformerDetector(nn.Module):
         backbone = Joiner(d2_backbone, PositionalEncoding2D(N_steps, normalize=True))
         backbone.num_channels = d2_backbone.num_channels
         self.testr = TESTR(cfg, backbone)
-        self.criterion = SetCriterion(cfg.MODEL.TRANSFORMER.LOSS, cfg.MODEL.TRANSFORMER.VOC_SIZE)
+        self.criterion = SetCriterion(cfg.MODEL.TRANSFORMER.LOSS, cfg.MODEL.TRANSFORMER.VOC_SIZE,
+                                      ctc=cfg.MODEL.TRANSFORMER.TEXT_CTC)
 
         # plain tensors in a closure, not buffers: not in the state dict, and not moved by .to()
         pixel_mean = torch.Tensor(cfg.MODEL.PIXEL_MEAN).to(self.device).view(3, 1, 1)

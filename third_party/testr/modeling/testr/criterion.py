@@ -4,7 +4,8 @@ earlier one); focal classification, L1 and GIoU on the boxes of the encoder's pr
 
 Normalisation: every loss is summed over images and divided by the number of words in the batch (at least 1), except
 the characters' cross-entropy, a mean over the matched queries' character slots (padding slots included: "no
-character" is a class the model must predict)."""
+character" is a class the model must predict). With `ctc` (not upstream's) the characters' loss is CTC with "no
+character" as the blank, a mean over the matched words of their loss per character, as DeepSolo's."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,10 +25,10 @@ def _matched(pairs, logits):
 
 
 class SetCriterion(nn.Module):
-    def __init__(self, loss_cfg, voc_size):
+    def __init__(self, loss_cfg, voc_size, ctc=False):
         super().__init__()
         c = loss_cfg
-        self.alpha, self.gamma, self.voc_size = c.FOCAL_ALPHA, c.FOCAL_GAMMA, voc_size
+        self.alpha, self.gamma, self.voc_size, self.ctc = c.FOCAL_ALPHA, c.FOCAL_GAMMA, voc_size, ctc
         self.aux = c.AUX_LOSS
         self.point_matcher = CtrlPointHungarianMatcher(c.POINT_CLASS_WEIGHT, c.POINT_COORD_WEIGHT, c.FOCAL_ALPHA,
                                                        c.FOCAL_GAMMA, c.POINT_REF_WEIGHT)
@@ -52,10 +53,20 @@ class SetCriterion(nn.Module):
         target_points = torch.cat([t["ctrl_points"][i] for t, (_, i) in zip(targets, pairs)]).to(points.dtype)
         texts = outputs["pred_texts"][b, q]  # (n, T, V + 1)
         target_texts = torch.cat([t["texts"][i] for t, (_, i) in zip(targets, pairs)]).long()
-        text_loss = F.cross_entropy(texts.transpose(1, 2), target_texts) if len(texts) else texts.sum()
+        text_loss = self.text_loss(texts, target_texts) if len(texts) else texts.sum()
         return {"loss_ce": self.focal(outputs["pred_logits"], positive, num_words),
                 "loss_ctrl_points": F.l1_loss(points, target_points, reduction="sum") / num_words,
                 "loss_texts": text_loss}
+
+    def text_loss(self, logits, targets):
+        """(n, T, V + 1) logits, (n, T) labels padded with V ("no character") → the characters' loss."""
+        if not self.ctc:
+            return F.cross_entropy(logits.transpose(1, 2), targets)
+        lengths = (targets != self.voc_size).sum(1)
+        log_probs = logits.float().log_softmax(-1).transpose(0, 1)  # (T, n, V + 1)
+        steps = torch.full_like(lengths, logits.shape[1])
+        # zero_infinity: a word the slots cannot hold (repeats need a blank between) teaches nothing
+        return F.ctc_loss(log_probs, targets, steps, lengths, blank=self.voc_size, zero_infinity=True)
 
     def encoder_losses(self, outputs, targets, num_words):
         pairs = self.box_matcher(outputs, targets)
