@@ -39,9 +39,11 @@ class Subject:
 # ------------------------------------------------------------------------------------------- what is verified, how
 def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
     """The dummy size, its transpose, a non-square size and its transpose (same token count, other aspect ratio —
-    where a baked shape goes silently wrong), and an odd size; or what the config lists."""
+    where a baked shape goes silently wrong), and an odd size; or what the config lists; a fixed-size graph's own."""
     if cfg.verify.sizes:
         return [tuple(s) for s in cfg.verify.sizes]
+    if not cfg.export.dynamic:  # the graph takes no other
+        return list(dict.fromkeys(traced_sizes(cfg)))
     h, w = cfg.export.dummy_sizes[0]
     r = lambda v: max(64, int(round(v / 16)) * 16)  # noqa: E731
     c = (r(h * 0.8), r(w * 1.25))
@@ -54,7 +56,10 @@ def verification_cases(built) -> list[verify.Case]:
     before any export-time patch, they are the independent side."""
     sizes = verification_sizes(built.cfg)
     groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
-    if built.cfg.verify.batch and built.adapter.batchable:
+    if not built.cfg.export.dynamic and not built.cfg.verify.sizes:
+        # a fixed-size graph takes the traced batch and size only: other pictures of that shape, twice
+        groups = [traced_sizes(built.cfg)] * 2
+    elif built.cfg.verify.batch and built.adapter.batchable:
         groups.append([sizes[0], sizes[2 if len(sizes) > 2 else -1]])
     elif built.cfg.verify.batch:
         log.warning("verify.batch: no batch case, the %s graph takes one image per run (fixed batch axis)",
@@ -62,7 +67,8 @@ def verification_cases(built) -> list[verify.Case]:
     cases = []
     for i, group in progress.steps(list(enumerate(groups)), "eager references"):
         images = dummy_images(group, seed=1000 + 10 * i)
-        name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group)
+        name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group) + (
+            f" (pictures {i + 1})" if groups.count(group) > 1 else "")
         cases.append(verify.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images), images))
     return cases
 

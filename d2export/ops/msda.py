@@ -254,7 +254,16 @@ class _FusedMSDA(torch.autograd.Function):
         out = g.op(f"{DOMAIN}::{FUSED_MSDA}", _cast(g, value, float32), _cast(g, spatial_shapes, int64),
                    _cast(g, level_start_index, int64), _cast(g, sampling_locations, float32),
                    _cast(g, attention_weights, float32))
-        return out.setType(value.type().with_sizes([None, None, None]))
+        return out.setType(value.type().with_sizes(_output_sizes(value, sampling_locations)))
+
+
+def _output_sizes(value, sampling_locations) -> list[int | None]:
+    """The node's output sizes (N, Lq, H·D) as far as the exporter knows its operands' (None where a size is
+    dynamic). Without them no size after the first MSDA is known, and a fixed-size graph keeps the shape arithmetic
+    that onnxruntime would otherwise fold (on a GPU: work on the host and copies to the device)."""
+    v, loc = value.type().varyingSizes() or [None] * 4, sampling_locations.type().varyingSizes() or [None] * 6
+    channels = v[2] * v[3] if len(v) == 4 and v[2] is not None and v[3] is not None else None
+    return [v[0] if v else None, loc[1] if len(loc) > 1 else None, channels]
 
 
 def _cast(g, x, to: int):
@@ -279,4 +288,4 @@ class _TRTPluginMSDA(torch.autograd.Function):
         int32 = 6  # onnx.TensorProto.INT32: the plugin's layout for shapes and starts
         out = g.op("trt::MultiscaleDeformableAttnPlugin_TRT", value, g.op("Cast", spatial_shapes, to_i=int32),
                    g.op("Cast", level_start_index, to_i=int32), sampling_locations, attention_weights)
-        return out.setType(value.type().with_sizes([None, None, None]))
+        return out.setType(value.type().with_sizes(_output_sizes(value, sampling_locations)))
