@@ -197,7 +197,7 @@ class InferActor:
 
     def __init__(self, model: Any, providers: list[str], threads: int, score_threshold: float | None,
                  min_size: int | None, max_size: int | None, verify_hash: bool = True, embedded_manifest: bool = False,
-                 tf32: bool = False):
+                 tf32: bool = False, cuda_graph: bool = False):
         import ray
 
         from d2export.runtime.predictor import Predictor
@@ -208,7 +208,7 @@ class InferActor:
             Path(self.folder.name, name).write_bytes(data)
         self.predictor = Predictor(Path(self.folder.name, model.name), providers, threads, score_threshold,
                                    min_size=min_size, max_size=max_size, verify_hash=verify_hash,
-                                   embedded_manifest=embedded_manifest, tf32=tf32)
+                                   embedded_manifest=embedded_manifest, tf32=tf32, cuda_graph=cuda_graph)
 
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow as pa
@@ -293,7 +293,7 @@ def run(model: str | os.PathLike, source: str, output: str, *, fmt: str = "parqu
         batch_size: int = 8, address: str | None = None, rows_per_file: int = 1000, threads: int = 1,
         providers: Iterable[str] = ("cpu",), score_threshold: float | None = None, min_size: int | None = None,
         max_size: int | None = None, verify_hash: bool = True, embedded_manifest: bool = False,
-        tf32: bool = False) -> Summary:
+        tf32: bool = False, cuda_graph: bool = False) -> Summary:
     """The whole job; see the module's docstring. `actors` None: as many as the CPUs hold, one kept for decoding."""
     import ray
 
@@ -303,7 +303,7 @@ def run(model: str | os.PathLike, source: str, output: str, *, fmt: str = "parqu
         raise ValueError("--threads, --batch-size, --actors and --rows-per-file must be at least 1")
     session = {"providers": list(providers), "threads": threads, "score_threshold": score_threshold,
                "min_size": min_size, "max_size": max_size, "verify_hash": verify_hash,
-               "embedded_manifest": embedded_manifest, "tf32": tf32}
+               "embedded_manifest": embedded_manifest, "tf32": tf32, "cuda_graph": cuda_graph}
     # the actors check the model against its manifest; here the manifest only has to be read
     processing = Processing(load_manifest(Path(model), False, embedded_manifest), score_threshold, min_size, max_size)
     if address is None:  # the actors share this machine's onnxruntime (a cluster's may differ: its actors check)
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                       batch_size=args.batch_size, address=args.address, rows_per_file=args.rows_per_file,
                       threads=args.threads, providers=args.providers.split(","), score_threshold=args.score_threshold,
                       min_size=args.min_size, max_size=args.max_size, verify_hash=not args.no_verify_hash,
-                      embedded_manifest=args.embedded_manifest, tf32=args.tf32)
+                      embedded_manifest=args.embedded_manifest, tf32=args.tf32, cuda_graph=args.cuda_graph)
     except (OSError, ValueError, ProviderUnavailable) as e:
         print(f"d2export batch: error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ call from several threads.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,11 +21,13 @@ from d2export.imaging import pad_batch, resize_shortest_edge, resized_shape
 from d2export.instances import Instance, Prediction, TextInstance  # noqa: F401 - the runtime's public types
 from d2export.manifest import Manifest, manifest_path, sha256_file
 from d2export.runtime import custom_ops
+from d2export.runtime.bound_runs import BoundRuns
 from d2export.runtime.images import UnusableImage
 from d2export.runtime.session_cache import create_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 PIXEL_FORMATS = ("RGB", "BGR")
+log = logging.getLogger("d2export")
 ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}  # numpy dtype names onnxruntime spells otherwise
 
 
@@ -158,13 +161,16 @@ class Predictor(Processing):
     def __init__(self, model_path: str | os.PathLike, providers: Sequence[str] = ("cpu",), threads: int = 0,
                  score_threshold: float | None = None, provider_options: Sequence[dict] | None = None,
                  min_size: int | None = None, max_size: int | None = None, verify_hash: bool = True,
-                 embedded_manifest: bool = False, tf32: bool = False):
+                 embedded_manifest: bool = False, tf32: bool = False, cuda_graph: bool = False):
         """`threads`: onnxruntime's intra-op threads (0: its default, one per core). `provider_options` (one dict per
         provider) go over `options_per_provider(providers, tf32)`'s defaults: TF32 off on CUDA. The manifest
         (`model.manifest.json` beside the model) says everything else; see `Processing` for the overrides. The model
         must be the one its manifest describes (its sha256 unless `verify_hash=False`, and its inputs and outputs),
         else ModelLoadError. `embedded_manifest`: a model without a manifest beside it is served from the copy in its
-        own metadata_props (a lone model.onnx); by default such a model is refused (an interrupted export)."""
+        own metadata_props (a lone model.onnx); by default such a model is refused (an interrupted export).
+        `cuda_graph`: on the CUDA provider, replay onnxruntime's CUDA graphs (one captured per batch and size, inputs
+        and outputs in fixed device buffers: `BoundRuns`) where onnxruntime accepts the graph (every node on the CUDA
+        provider: a fixed-size export); elsewhere it serves as without, after one line in the log."""
         import onnxruntime as ort
 
         self.model_path, self.threads = Path(model_path), int(threads)
@@ -187,13 +193,37 @@ class Predictor(Processing):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelLoadError(f"{self.model_path}: not a loadable ONNX model ({first[:300]})") from None
         check_schema(self.model_path, self.manifest, self.session)
+        self.bound = self._cuda_graphs(options, tf32, provider_options) if cuda_graph else None
         # the kernel that really serves: the CUDA one where onnxruntime placed the session on its CUDA provider
         self.msda_kernel = custom_ops.serving_kernel(self.manifest.custom_ops, self.session.get_providers())
+
+    def _cuda_graphs(self, options, tf32: bool, provider_options) -> BoundRuns | None:
+        """A session that captures CUDA graphs, and its runner; None (and why, in one line) where there is none."""
+        cuda = PROVIDERS["cuda"]
+        if self.session.get_providers()[0] != cuda:
+            log.warning("cuda graphs: not used: they need the CUDA provider (the session runs on %s)",
+                        self.session.get_providers()[0])
+            return None
+        per_provider = options_per_provider(self.providers, tf32, provider_options)
+        per_provider[self.providers.index(cuda)] |= {"enable_cuda_graph": "1"}
+        try:
+            session = create_session(self.model_path, options, self.providers, provider_options=per_provider)
+        except Exception as e:  # noqa: BLE001 - onnxruntime says why in its message (nodes left to the CPU, copies)
+            log.warning("cuda graphs: not used: onnxruntime refuses them for this graph (%s)",
+                        (str(e).strip().splitlines() or [type(e).__name__])[0][:300])
+            return None
+        self.session = session
+        device_id = int(session.get_provider_options().get(cuda, {}).get("device_id", 0))
+        return BoundRuns(session, self.output_names, "cuda", device_id)
 
     # the graph -----------------------------------------------------------------------------------------------------
     def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
         """One padded batch through the session: output name → array."""
-        outputs = self.session.run(self.output_names, self.feeds(prepared))
+        feeds = self.feeds(prepared)
+        if self.bound:
+            outputs = list(self.bound.run(feeds).values())
+        else:
+            outputs = self.session.run(self.output_names, feeds)
         # a float16 graph (export.fp16, keep_io_types=false) answers in float16: post-processing reads float32
         return {n: o.astype(np.float32) if o.dtype == np.float16 else o for n, o in zip(self.output_names, outputs)}
 
@@ -245,6 +275,7 @@ class Predictor(Processing):
         m = self.manifest
         return {"model": self.model_path.name, "family": m.family, "sha256": m.sha256, "opset": m.opset,
                 "exporter": m.exporter, "sampler": m.sampler, "precision": m.precision, "msda_kernel": self.msda_kernel,
+                "cuda_graph": self.bound is not None,
                 "providers": self.session.get_providers(),  # what the session runs on, not what was asked
                 "provider_options": self.session.get_provider_options(),
                 "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],
@@ -299,6 +330,9 @@ def add_predictor_arguments(ap) -> None:
     ap.add_argument("--tf32", action="store_true",
                     help="cuda: let onnxruntime compute in TF32 (faster on Ampere and later, but not what the export "
                          "verified: near-tied detections may change)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="cuda: replay CUDA graphs (one per batch and size) where onnxruntime accepts the graph "
+                         "(a fixed-size export: export.dynamic=false); otherwise serves without, saying why")
     ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
     ap.add_argument("--score-threshold", type=float, default=None, help="lowest score kept (default: the manifest's)")
     ap.add_argument("--min-size", type=int, default=None, help="shortest edge to resize to (default: the manifest's)")
@@ -314,4 +348,5 @@ def add_predictor_arguments(ap) -> None:
 def predictor_from_args(args) -> Predictor:
     return Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold,
                      min_size=args.min_size, max_size=args.max_size, verify_hash=not args.no_verify_hash,
-                     embedded_manifest=args.embedded_manifest, tf32=args.tf32)
+                     embedded_manifest=args.embedded_manifest, tf32=args.tf32,
+                     cuda_graph=getattr(args, "cuda_graph", False))
