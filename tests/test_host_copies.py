@@ -1,7 +1,7 @@
 """Host → device crossings of a graph served on a GPU, found here without one (d2export/exporting/host_copies.py):
 hand-made graphs whose answer is known, a dynamic export that has crossings, and a fixed-size fused export that
 onnxruntime folds to none (each fused node's output sizes written by the exporter: without them every size after
-the first MSDA was unknown and the shape arithmetic stayed)."""
+the first MSDA was unknown and the shape arithmetic stayed), and its float16 copy."""
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -57,3 +57,18 @@ def test_a_fixed_size_fused_export_leaves_no_shape_arithmetic_for_the_host(tmp_p
     figures = census(path)
     assert figures["shape_nodes"] == 0
     assert figures["host_to_device"] == 0
+    # its float16 copy too (the fused node's output sizes kept through the conversion), the fused node in float32:
+    # the CPU kernel, float32 only, runs it
+    import onnxruntime as ort
+
+    from d2export.exporting.fp16 import to_float16
+    from d2export.exporting.sessions import session_options
+
+    half = tmp_path / "half.onnx"
+    onnx.save(to_float16(onnx.load(path)), half)
+    assert census(half)["host_to_device"] == 0 and census(half)["shape_nodes"] == 0
+    session = ort.InferenceSession(str(half), session_options(half), providers=["CPUExecutionProvider"])
+    feed = {"images": np.random.default_rng(5).integers(0, 255, (1, 3, 160, 224), np.uint8),
+            "image_sizes": np.array([[160, 224]], np.int64)}
+    scores = session.run(["scores"], feed)[0]
+    assert scores.dtype == np.float32 and np.isfinite(scores).all()

@@ -36,8 +36,11 @@ _FLOAT16_MAX, _FLOAT16_TINY = 65504.0, 2.0 ** -24
 
 
 def default_keep(graph: onnx.GraphProto) -> Callable[[onnx.NodeProto], bool]:
+    from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
+
     scopes = msda_scopes(graph)
-    return lambda node: node.op_type == "Softmax" or is_msda_core(node, scopes)
+    fused = lambda node: node.domain == DOMAIN and node.op_type == FUSED_MSDA  # noqa: E731 - the core as one node
+    return lambda node: node.op_type == "Softmax" or fused(node) or is_msda_core(node, scopes)
 
 
 def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | None = None,
@@ -125,7 +128,14 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
         for out in graph.output:
             if made.get(out.name) == HALF:
                 out.type.tensor_type.elem_type = HALF
-    del graph.value_info[:]  # stale element types; onnxruntime infers them again
+    # stale element types: onnxruntime infers them again, except the sizes of what custom operators make (it cannot:
+    # without them a fixed-size graph's shapes after the fused MSDA stay unknown and unfolded), their types updated
+    custom = {o for n in graph.node if n.domain not in ("", "ai.onnx") for o in n.output}
+    known = [v for v in graph.value_info if v.name in custom]
+    del graph.value_info[:]
+    for v in known:
+        v.type.tensor_type.elem_type = made.get(v.name, v.type.tensor_type.elem_type)
+    graph.value_info.extend(known)
     return model
 
 
