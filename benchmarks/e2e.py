@@ -53,7 +53,7 @@ def peak_rss_gb() -> float:
 
 
 # --- export, in a child process -------------------------------------------------------------------------------
-def _export_child(config: str, sampler: str, exporter: str, path: str) -> None:
+def _export_child(config: str, sampler: str, exporter: str, path: str, *overrides: str) -> None:
     import torch
 
     from d2export import config as config_mod, pipeline
@@ -62,20 +62,22 @@ def _export_child(config: str, sampler: str, exporter: str, path: str) -> None:
 
     start = time.perf_counter()
     cfg = config_mod.load(config, [f"export.output_dir={Path(path).parent}", f"export.sampler={sampler}",
-                                   f"export.exporter={exporter}"])
+                                   f"export.exporter={exporter}", *overrides])
     built = pipeline.prepare(cfg, ROOT)
     args = torch_inputs(built.adapter, dummy_images(cfg.export.dummy_sizes, cfg.model.seed))
     built_s = time.perf_counter() - start
     with torch.no_grad(), pipeline.export_scope(built):
         result = export_onnx(built.adapter, args, path, input_names=built.adapter.input_names,
-                             output_names=built.adapter.output_names, dynamic_axes=built.adapter.dynamic_axes,
+                             output_names=built.adapter.output_names,
+                             dynamic_axes=built.adapter.dynamic_axes if cfg.export.dynamic else None,
                              opset=cfg.export.opset, exporter=exporter)
     print(json.dumps({"build_s": built_s, "export_s": result.seconds, "nodes": result.node_count,
                       "peak_rss_gb": peak_rss_gb()}))
 
 
-def export_in_child(config: str, sampler: str, exporter: str, path: Path) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.e2e", "--export-child", config, sampler, exporter, str(path)]
+def export_in_child(config: str, sampler: str, exporter: str, path: Path, *overrides: str) -> dict:
+    """The graph exported (not verified) in a child process, with Hydra `overrides`; its build and export times."""
+    cmd = [sys.executable, "-m", "benchmarks.e2e", "--export-child", config, sampler, exporter, str(path), *overrides]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
@@ -339,7 +341,7 @@ def main(argv=None):
     p.add_argument("--profile-runs", type=int, default=2, help="onnxruntime profiled runs per graph")
     p.add_argument("--out", help="keep the exported graphs here (default: a temporary directory)")
     p.add_argument("--reuse", action="store_true", help="reuse graphs already in --out instead of exporting")
-    p.add_argument("--export-child", nargs=4, help=argparse.SUPPRESS)
+    p.add_argument("--export-child", nargs="+", help=argparse.SUPPRESS)
     p.add_argument("--measure-child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.export_child:

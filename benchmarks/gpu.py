@@ -19,6 +19,12 @@ session, read through NVML); and, for the graphs, the nodes onnxruntime placed o
 it inserted (Memcpy nodes run per call), from its profile.
 Then parity at batch 1: the CUDA provider's float32 outputs, slot by slot, against the same graph on the CPU provider
 (the graph `d2export export` verified). TF32 is off everywhere (its 10-bit mantissa reorders near-tied proposals).
+
+The serving route (unless --no-fused): per batch size a fixed-size graph with the fused MSDA operator
+(`export.sampler=fused export.dynamic=false`, which onnxruntime folds to no host arithmetic) and its float16 copy,
+each run as the Predictor does and replaying a CUDA graph (`d2export.runtime.bound_runs`, `--cuda-graph`); what
+`host_copies.census` predicts and the Memcpy nodes onnxruntime really inserted; eager also under autocast float16;
+the fused graph's parity with the CPU provider; and the ratios the serving goals are stated in.
 """
 from __future__ import annotations
 
@@ -104,11 +110,12 @@ def eager_model(config: str, out: Path, swap: bool):
     return pipeline.prepare(config_mod.load(config, overrides), ROOT)
 
 
-def eager_call(adapter, args):
+def eager_call(adapter, args, autocast: bool = False):
+    """One forward; `autocast`: under torch.autocast float16, as a PyTorch user serves in half precision."""
     import torch
 
     def call():
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cuda", torch.float16, enabled=autocast):
             return adapter(*args)
     return call
 
@@ -183,7 +190,9 @@ def process_gpu_gb() -> float:
 def cuda_session(path: Path, profile_prefix: str | None = None, cuda_graph: bool = False):
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
+    from d2export.exporting.sessions import session_options
+
+    opts = session_options(path)  # the fused operator's library registered where the graph has it
     opts.log_severity_level = 3
     if profile_prefix:
         opts.enable_profiling = True
@@ -263,6 +272,8 @@ def main(argv=None):
     p.add_argument("--simplified", action="store_true", help="also the float32 graph through onnxslim (as "
                    "export.simplify=true writes it): its placement, copies and time")
     p.add_argument("--json", help="also write every figure here")
+    p.add_argument("--no-fused", dest="fused", action="store_false",
+                   help="skip the fixed-size fused graphs (float32, float16, with and without CUDA graphs)")
     args = p.parse_args(argv)
 
     import onnxruntime as ort
@@ -328,11 +339,13 @@ def main(argv=None):
         adapter_for_inputs = adapter_for_inputs or built.adapter
         for batch in args.batches:
             feed = built.adapter.graph_inputs(pictures[:batch])
-            call = eager_call(built.adapter, tuple(torch.from_numpy(feed[n]).cuda() for n in built.adapter.input_names))
-            row = guarded(f"{label} batch {batch}", time_eager, call, args.rounds, batch)
-            row.update(guarded(f"{label} GPU trace", traced_gpu_activity, call, out))
-            rows.setdefault(label, {})[batch] = row
-            print(f"{label:40s} batch {batch}: {rows[label][batch]}", flush=True)
+            inputs = tuple(torch.from_numpy(feed[n]).cuda() for n in built.adapter.input_names)
+            for name, autocast in ((label, False), (label + ", autocast float16", True)):
+                call = eager_call(built.adapter, inputs, autocast)
+                row = guarded(f"{name} batch {batch}", time_eager, call, args.rounds, batch)
+                row.update(guarded(f"{name} GPU trace", traced_gpu_activity, call, out))
+                rows.setdefault(name, {})[batch] = row
+                print(f"{name:40s} batch {batch}: {row}", flush=True)
         del built
         torch.cuda.empty_cache()
 
@@ -364,6 +377,9 @@ def main(argv=None):
         bound_runner(cuda_session(graph, cuda_graph=True), feeds[1]), args.rounds, 1))
     print(f"onnxruntime CUDA, float32, CUDA graphs, batch 1: {results['cuda_graph']}", flush=True)
 
+    if args.fused:
+        fused_rows(args, out, feeds, results)
+
     # parity: the CUDA provider against the graph on the CPU provider (what `d2export export` verified)
     cpu = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     names = [o.name for o in cpu.get_outputs()]
@@ -373,8 +389,90 @@ def main(argv=None):
     print(f"parity, CUDA provider vs CPU provider, float32, batch 1: {results['parity_cuda_vs_cpu']}", flush=True)
 
     print_table(results, args.batches)
+    print_goals(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+def fused_rows(args, out: Path, feeds: dict, results: dict) -> None:
+    """The serving route, per batch: the fixed-size fused graph and its float16 copy, run as the Predictor does and
+    replaying CUDA graphs; their predicted and measured host copies; the float32 graph's parity with the CPU."""
+    import onnx
+    import onnxruntime as ort
+
+    from benchmarks.e2e import export_in_child
+    from d2export.exporting.fp16 import to_float16
+    from d2export.exporting.host_copies import census
+    from d2export.exporting.sessions import session_options
+    from d2export.runtime.bound_runs import BoundRuns
+
+    rows = results["rows"]
+    for batch in args.batches:
+        graph = out / f"fused_b{batch}.onnx"
+        sizes = ",".join([f"[{args.size},{args.size}]"] * batch)
+        info = guarded(f"fused export, batch {batch}", export_in_child, args.config, "fused", "torchscript", graph,
+                       "export.dynamic=false", f"export.dummy_sizes=[{sizes}]")
+        if "error" in info:
+            continue
+        print(f"exported {graph} in {info['export_s']:.0f} s ({info['nodes']} nodes)", flush=True)
+        half = out / f"fused_b{batch}_fp16.onnx"
+        onnx.save(to_float16(onnx.load(str(graph))), str(half))
+        for precision, path in (("float32", graph), ("float16", half)):
+            results[f"census_fused_{precision}_b{batch}"] = guarded("census", census, path)
+            results[f"placement_fused_{precision}_b{batch}"] = guarded(
+                f"fused {precision} placement", placement, path, feeds[batch], out)
+            print(f"fused {precision} b{batch}: predicted {results[f'census_fused_{precision}_b{batch}']}; "
+                  f"on the GPU {results[f'placement_fused_{precision}_b{batch}']}", flush=True)
+            for graphs in (False, True):
+                label = f"onnxruntime CUDA, fused fixed-size, {precision}" + (", CUDA graph" if graphs else "")
+                gc.collect()
+                before = process_gpu_gb()
+                session = guarded(label, cuda_session, path, cuda_graph=graphs)
+                if isinstance(session, dict):
+                    rows.setdefault(label, {})[batch] = session
+                    continue
+                feed = feeds[batch]
+                if graphs:
+                    runner = BoundRuns(session, [o.name for o in session.get_outputs()], "cuda")
+                    run = lambda r=runner, f=feed: r.run(f)  # noqa: E731
+                else:
+                    run = lambda s=session, f=feed: s.run(None, f)  # noqa: E731
+                row = guarded(f"{label} batch {batch}", time_calls, run, args.rounds, batch)
+                row["process_gpu_gb"] = process_gpu_gb() - before
+                row.update(guarded(f"{label} GPU trace", traced_gpu_activity, run, out))
+                rows.setdefault(label, {})[batch] = row
+                print(f"{label:40s} batch {batch}: {row}", flush=True)
+                del session, run
+        if batch == min(args.batches):  # parity, slot by slot, with the CPU provider (the verified side)
+            cpu = ort.InferenceSession(str(graph), session_options(graph), providers=["CPUExecutionProvider"])
+            names = [o.name for o in cpu.get_outputs()]
+            reference = cpu.run(None, feeds[batch])
+            results["parity_fused_cuda_vs_cpu"] = guarded("fused parity", lambda: parity(
+                names, reference, cuda_session(graph).run(None, feeds[batch])))
+            print(f"parity, fused float32 b{batch}, CUDA vs CPU provider: {results['parity_fused_cuda_vs_cpu']}",
+                  flush=True)
+
+
+def print_goals(results: dict) -> None:
+    """The serving goals as ratios (eager time / onnxruntime time: above 1 the export is faster), where both rows
+    ran: the best fused float32 and float16 rows against eager on the compiled kernel in float32 and under autocast."""
+    rows = results["rows"]
+
+    def ms(label, batch):
+        row = rows.get(label, {}).get(batch, {})
+        return row.get("per_picture_ms") if isinstance(row, dict) else None
+
+    eager = "eager, compiled MSDA kernel"
+    lines = []
+    for batch in (1, 8):
+        for precision, base in (("float32", eager), ("float16", eager), ("float16", eager + ", autocast float16")):
+            ours = [ms(f"onnxruntime CUDA, fused fixed-size, {precision}{g}", batch) for g in ("", ", CUDA graph")]
+            ours = [v for v in ours if v]
+            theirs = ms(base, batch)
+            if ours and theirs:
+                lines.append(f"  batch {batch}: {base} / fused {precision} (best of with and without CUDA graphs) = "
+                             f"{theirs / min(ours):.2f}x")
+    print("\n## goals (x: eager ms per picture / onnxruntime's)\n" + ("\n".join(lines) or "  (rows missing)"))
 
 
 def print_table(results: dict, batches) -> None:

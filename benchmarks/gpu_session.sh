@@ -8,8 +8,12 @@
 #   prep:   (carry .gpu .gpu1) stash piece 1, install the small dependencies, start in the background: the upstream
 #           kernel's build, the R-50 spotter's export on CUDA (verified on the CPU provider), the held-out sets
 #   stash N: (carry .gpuN, N = 2 … 4, each call within 30 s of the last: the machine stays warm that long)
-#   run:    (carry .gpu5) assemble onnxruntime-gpu, then: the benchmark, the trained micro spotter exported with
-#           verify.providers=[cuda], both trained models evaluated through the CUDA provider, the CUDA-only test
+#   run:    (carry .gpu5 and d2export/runtime/_msda_cuda*.so, the fused operator's library built here with nvcc for
+#           sm_80/sm_90) assemble onnxruntime-gpu, then: the benchmark (eager fp32 and autocast fp16; the dynamic
+#           gather graph; per batch the fixed-size fused graph in fp32 and fp16, with and without CUDA graphs, its
+#           predicted and real host copies, parity with the CPU provider; the goals as ratios), the trained micro
+#           spotter exported with verify.providers=[cuda], both trained models evaluated through the CUDA provider,
+#           the CUDA-only test
 # Six calls, about 9 minutes of device time in all (the first start about 1).
 #   train MINUTES [KEY VALUE ...]: (carry .gpu; one call) train the micro spotter on the GPU from the fixture, e.g.
 #           `train 6 --batch 16 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4`; score what comes back here with
@@ -87,8 +91,9 @@ run)
   done
   tail -n 4 $W/*.log; cp $W/*.log "$OUT/" 2>/dev/null
   R50=$(find $W/textdet -name '*.onnx' | grep -v fp16 | head -1); echo "R-50 graph: $R50"
+  in_repo python3 -c "from d2export.runtime.custom_ops import cuda_library; print('fused CUDA library:', cuda_library())"
   in_repo python3 tools/benchmark.py gpu --model "$R50" --upstream-msda $W/msda_upstream --out $W/bench \
-    --simplified --json "$OUT/gpu.json" --rounds 20 2>&1 | grep -v cudnn_fe | tee "$OUT/bench.log"
+    --json "$OUT/gpu.json" --rounds 20 2>&1 | grep -v cudnn_fe | tee "$OUT/bench.log"
   in_repo python3 tools/export.py --config textdet_micro export.device=cuda "verify.providers=[cuda]" \
     export.output_dir=$W/micro 2>&1 | tail -n 15 | tee "$OUT/export_micro.log"
   in_repo python3 -m d2export.cli evaluate --config textdet_micro --dataset $W/held_text --precision fp32,fp16 \

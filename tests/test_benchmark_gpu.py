@@ -59,3 +59,19 @@ def test_gpu_activity_counts_kernels_copies_and_the_idle_span():
     assert gpu_activity(trace) == {"kernels": 2, "kernel_ms": 0.5, "copies_to_device": 1, "copies_other": 1,
                                    "gpu_span_ms": 1.22}
     assert gpu_activity({"traceEvents": []})["kernels"] == 0
+
+
+def test_the_goals_are_eager_over_the_best_fused_row(capsys):
+    """Ratios by hand: eager 30 ms a picture, fused float32 20 ms plain and 15 ms replaying a CUDA graph: 2.00x."""
+    from benchmarks.gpu import print_goals
+
+    rows = {"eager, compiled MSDA kernel": {1: {"per_picture_ms": 30.0}},
+            "onnxruntime CUDA, fused fixed-size, float32": {1: {"per_picture_ms": 20.0}},
+            "onnxruntime CUDA, fused fixed-size, float32, CUDA graph": {1: {"per_picture_ms": 15.0},
+                                                                        8: {"error": "refused"}}}
+    print_goals({"rows": rows})
+    out = capsys.readouterr().out
+    assert "batch 1: eager, compiled MSDA kernel / fused float32 (best of with and without CUDA graphs) = 2.00x" in out
+    assert "batch 8" not in out and "float16" not in out
+    print_goals({"rows": {}})
+    assert "(rows missing)" in capsys.readouterr().out
