@@ -249,6 +249,15 @@ def placement(path: Path, feed: dict, tmp: Path) -> dict:
             "cpu_ops": dict(on_cpu.most_common(8)), "cpu_nodes_ms": cpu_ms}
 
 
+def timed_row(rows: dict, label: str, batch: int, run, rounds: int, out: Path, before_gb: float) -> None:
+    """One onnxruntime row at one batch: wall times, the GPU memory the session added, one traced call."""
+    row = guarded(f"{label} batch {batch}", time_calls, run, rounds, batch)
+    row["process_gpu_gb"] = process_gpu_gb() - before_gb
+    row.update(guarded(f"{label} GPU trace", traced_gpu_activity, run, out))
+    rows.setdefault(label, {})[batch] = row
+    print(f"{label:40s} batch {batch}: {row}", flush=True)
+
+
 def guarded(label: str, fn, *args, **kwargs):
     """Run one row; a row that fails says why and the others go on."""
     try:
@@ -365,11 +374,7 @@ def main(argv=None):
                 continue
             for batch in args.batches:
                 run = bound_runner(session, feeds[batch]) if binding else (lambda f=feeds[batch]: session.run(None, f))
-                row = guarded(f"{label} batch {batch}", time_calls, run, args.rounds, batch)
-                row["process_gpu_gb"] = process_gpu_gb() - before
-                row.update(guarded(f"{label} GPU trace", traced_gpu_activity, run, out))
-                rows.setdefault(label, {})[batch] = row
-                print(f"{label:40s} batch {batch}: {row}", flush=True)
+                timed_row(rows, label, batch, run, args.rounds, out, before)
             del session, run
         results["placement_" + precision] = guarded(f"{precision} placement", placement, path, feeds[1], out)
         print(f"{precision} graph on the CUDA provider, batch 1: {results['placement_' + precision]}", flush=True)
@@ -437,11 +442,7 @@ def fused_rows(args, out: Path, feeds: dict, results: dict) -> None:
                     run = lambda r=runner, f=feed: r.run(f)  # noqa: E731
                 else:
                     run = lambda s=session, f=feed: s.run(None, f)  # noqa: E731
-                row = guarded(f"{label} batch {batch}", time_calls, run, args.rounds, batch)
-                row["process_gpu_gb"] = process_gpu_gb() - before
-                row.update(guarded(f"{label} GPU trace", traced_gpu_activity, run, out))
-                rows.setdefault(label, {})[batch] = row
-                print(f"{label:40s} batch {batch}: {row}", flush=True)
+                timed_row(rows, label, batch, run, args.rounds, out, before)
                 del session, run
         if batch == min(args.batches):  # parity, slot by slot, with the CPU provider (the verified side)
             cpu = ort.InferenceSession(str(graph), session_options(graph), providers=["CPUExecutionProvider"])
