@@ -29,16 +29,24 @@ def resize_shortest_edge(image: np.ndarray, min_size: int, max_size: int) -> np.
     return np.asarray(Image.fromarray(image).resize((nw, nh), Image.BILINEAR))
 
 
-def pad_batch(images: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """CHW images of any sizes → (images [N, C, Hmax, Wmax] zero-padded bottom/right, image_sizes [N, 2] int64)."""
+def pad_batch(images: Sequence[np.ndarray], fixed: tuple[int, int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """CHW images of any sizes → (images [N, C, Hmax, Wmax] zero-padded bottom/right, image_sizes [N, 2] int64).
+    `fixed` (N, H, W): a fixed-size graph's batch and size, padded to it; rows beyond the images are blank, with the
+    first image's size (their outputs are not read)."""
     if not images:
         raise ValueError("empty batch")
+    n = len(images)
     hmax = max(im.shape[1] for im in images)
     wmax = max(im.shape[2] for im in images)
-    batch = np.zeros((len(images), images[0].shape[0], hmax, wmax), dtype=images[0].dtype)
+    if fixed:
+        if n > fixed[0] or hmax > fixed[1] or wmax > fixed[2]:
+            raise ValueError(f"{n} picture(s) of up to {hmax}x{wmax} do not fit this graph's fixed batch of "
+                             f"{fixed[0]} at {fixed[1]}x{fixed[2]}")
+        n, hmax, wmax = fixed
+    batch = np.zeros((n, images[0].shape[0], hmax, wmax), dtype=images[0].dtype)
     for i, im in enumerate(images):
         batch[i, :, : im.shape[1], : im.shape[2]] = im
-    sizes = np.array([im.shape[1:3] for im in images], dtype=np.int64)
+    sizes = np.array([im.shape[1:3] for im in images] + [images[0].shape[1:3]] * (n - len(images)), dtype=np.int64)
     return batch, sizes
 
 

@@ -26,3 +26,16 @@ def tiny_export(tmp_path_factory):
     cfg = load("textdet_tiny", [f"export.output_dir={out}"])
     manifest = pipeline.export(cfg)
     return cfg, manifest, out / manifest.model_file
+
+
+@pytest.fixture(scope="session")
+def fixed_fused_export(tmp_path_factory):
+    """The tiny spotter exported (verified) as a GPU serves it: fixed size (160x224, batch 1), fused MSDA operator.
+    Returns (manifest, model path)."""
+    from d2export import pipeline
+    from d2export.config import load
+
+    out = tmp_path_factory.mktemp("fixed_fused")
+    manifest = pipeline.export(load("textdet_tiny", [f"export.output_dir={out}", "export.sampler=fused",
+                                                     "export.dynamic=false"]))
+    return manifest, out / manifest.model_file

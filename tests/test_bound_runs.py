@@ -71,3 +71,36 @@ def test_asked_for_cuda_graphs_on_the_cpu_the_predictor_says_so_and_serves_the_s
     ap = argparse.ArgumentParser()
     add_predictor_arguments(ap)
     assert ap.parse_args(["m.onnx", "--providers", "cuda", "--cuda-graph"]).cuda_graph is True
+
+
+def test_a_fixed_size_graph_serves_pictures_of_other_sizes(fixed_fused_export):
+    """Resized to fit the graph (the longer side at most its shorter one), zero-padded to it: the graph's answer for
+    that input, fed by hand."""
+    from d2export.runtime.predictor import Predictor
+
+    _, path = fixed_fused_export
+    predictor = Predictor(path)
+    assert predictor.fixed == (1, 160, 224)
+    picture = np.random.default_rng(4).integers(0, 255, (150, 210, 3), np.uint8)
+    prepared = predictor.prepare(picture)
+    assert prepared.chw.shape == (3, 114, 160)  # 150x210 → shorter side 160 would make the longer 224 > 160
+    images = np.zeros((1, 3, 160, 224), np.uint8)
+    images[0, :, :114, :160] = prepared.chw
+    by_hand = predictor.session.run(None, {"images": images, "image_sizes": np.array([[114, 160]], np.int64)})
+    served = predictor.run([prepared])
+    for name, expected in zip(predictor.output_names, by_hand):
+        np.testing.assert_array_equal(served[name], expected)
+    assert predictor.predict(picture).height == 150
+    with pytest.raises(ValueError, match="at most 1 picture"):
+        predictor.feeds([prepared, prepared])
+
+
+def test_pad_batch_fills_a_fixed_batch_with_blank_pictures():
+    from d2export.imaging import pad_batch
+
+    image = np.full((3, 5, 7), 9, np.uint8)
+    batch, sizes = pad_batch([image], (2, 8, 10))
+    assert batch.shape == (2, 3, 8, 10) and sizes.tolist() == [[5, 7], [5, 7]]
+    assert (batch[0, :, :5, :7] == 9).all() and batch[0].sum() == 9 * 3 * 5 * 7 and batch[1].sum() == 0
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_batch([np.zeros((3, 9, 7), np.uint8)], (2, 8, 10))

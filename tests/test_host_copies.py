@@ -7,7 +7,6 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from d2export.exporting.host_copies import census, crossings, optimized
-from exports import export
 
 
 def _graph(nodes, inits=()):
@@ -48,11 +47,10 @@ def test_a_dynamic_export_crosses_where_sizes_meet_the_sampling_arithmetic(tiny_
     assert {"Mul", "Div"} & {c.op for c in found}
 
 
-def test_a_fixed_size_fused_export_leaves_no_shape_arithmetic_for_the_host(tmp_path):
+def test_a_fixed_size_fused_export_leaves_no_shape_arithmetic_for_the_host(fixed_fused_export, tmp_path):
     """Verified at its size (the written output sizes are right), and onnxruntime folds every shape."""
-    manifest = export("textdet_tiny", tmp_path, "export.sampler=fused", "export.dynamic=false")
+    manifest, path = fixed_fused_export
     assert manifest.verification["passed"]
-    path = tmp_path / manifest.model_file
     assert sum(n.op_type == "Shape" for n in onnx.load(path, load_external_data=False).graph.node) > 0  # as exported
     figures = census(path)
     assert figures["shape_nodes"] == 0

@@ -108,6 +108,15 @@ class Processing:
         # a graph whose batch axis is a number (detectron2's own detectors: 1) takes at most that many pictures a run
         fixed = [t.shape[0] for t in manifest.inputs if t.shape and isinstance(t.shape[0], int)]
         self.max_batch = min(fixed) if fixed else None
+        # a fixed-size graph (export.dynamic=false) takes pictures of its size only: resized to fit it (the longer
+        # side at most its shorter one) and zero-padded to it, its batch filled with blank pictures
+        images = next((t for t in manifest.inputs if t.name == "images"), None)
+        shape = list(images.shape) if images and images.shape else []
+        self.fixed = tuple(shape[:1] + shape[2:4]) if len(shape) == 4 and all(
+            isinstance(d, int) for d in shape[:1] + shape[2:4]) else None
+        if self.fixed:
+            side = min(self.fixed[1:])
+            self.min_size, self.max_size = min(self.min_size or side, side), min(self.max_size or side, side)
 
     # pre-processing ------------------------------------------------------------------------------------------------
     def prepare(self, image: np.ndarray, format: str = "RGB") -> Prepared:
@@ -135,7 +144,7 @@ class Processing:
         if self.max_batch and len(prepared) > self.max_batch:
             raise ValueError(f"this graph takes at most {self.max_batch} picture(s) per run (its input batch is fixed; "
                              "predict_batch splits larger batches)")
-        images, sizes = pad_batch([p.chw for p in prepared])
+        images, sizes = pad_batch([p.chw for p in prepared], self.fixed)
         feeds = {"images": images, "image_sizes": sizes}
         return {name: feeds[name].astype(dtype, copy=False) for name, dtype in self.input_dtypes.items()}
 
