@@ -24,9 +24,7 @@
 
 namespace {
 
-// OrtCustomOp version 16: the lowest with CreateKernelV2/KernelComputeV2, whose OrtStatus returns carry a bad
-// input's message to the caller instead of crashing the process.
-constexpr uint32_t kOpVersion = 16;
+using msda::kOpVersion;
 // OrtApi version 17 (onnxruntime 1.17): the lowest with KernelContext_ParallelFor, the newest entry used. On an older
 // runtime the library asks for 16 and computes on the calling thread alone.
 constexpr uint32_t kApiVersion = 17;
@@ -241,38 +239,28 @@ const char* ORT_API_CALL op_name(const OrtCustomOp*) { return kName; }
 const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return nullptr; }  // the CPU provider
 size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 5; }
 size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
+OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, size_t) {
+  return INPUT_OUTPUT_REQUIRED;
+}
+int ORT_API_CALL min_arity(const OrtCustomOp*) { return 1; }    // no variadic inputs or outputs: never asked
+int ORT_API_CALL homogeneous(const OrtCustomOp*) { return 1; }  // likewise
 ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
   return index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, size_t) {
-  return INPUT_OUTPUT_REQUIRED;
-}
 OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
-int ORT_API_CALL min_arity(const OrtCustomOp*) { return 1; }    // no variadic inputs or outputs: never asked
-int ORT_API_CALL homogeneous(const OrtCustomOp*) { return 1; }  // likewise
 
 OrtCustomOp make_op() {
-  OrtCustomOp op{};  // every field null, the later versions' ones included
-  op.version = kOpVersion;
-  op.GetName = op_name;
+  OrtCustomOp op = msda::op_table();
   op.GetExecutionProviderType = op_provider;
   op.GetInputType = input_type;
-  op.GetInputTypeCount = input_count;
   op.GetOutputType = output_type;
-  op.GetOutputTypeCount = output_count;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = required;
-  op.GetOutputCharacteristic = required;
   op.GetInputMemoryType = input_memory;
-  op.GetVariadicInputMinArity = min_arity;
-  op.GetVariadicInputHomogeneity = homogeneous;
-  op.GetVariadicOutputMinArity = min_arity;
-  op.GetVariadicOutputHomogeneity = homogeneous;
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute_kernel;
+  op.KernelDestroy = destroy_kernel;
   return op;
 }
 
@@ -305,6 +293,21 @@ void set_up(const OrtApiBase* base, Runtime& rt) {
 }
 
 }  // namespace
+
+OrtCustomOp msda::op_table() {
+  OrtCustomOp op{};  // every field null, the later versions' ones included
+  op.version = kOpVersion;
+  op.GetName = op_name;
+  op.GetInputTypeCount = input_count;
+  op.GetOutputTypeCount = output_count;
+  op.GetInputCharacteristic = required;
+  op.GetOutputCharacteristic = required;
+  op.GetVariadicInputMinArity = min_arity;
+  op.GetVariadicInputHomogeneity = homogeneous;
+  op.GetVariadicOutputMinArity = min_arity;
+  op.GetVariadicOutputHomogeneity = homogeneous;
+  return op;
+}
 
 extern "C" D2_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   std::call_once(g_once, set_up, base, std::ref(g_runtime));

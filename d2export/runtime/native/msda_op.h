@@ -22,6 +22,14 @@ struct Tensors {
   int64_t batch, tokens, heads, dim, queries, levels, points;
 };
 
+// OrtCustomOp version 16: the lowest with CreateKernelV2/KernelComputeV2, whose OrtStatus returns carry a bad
+// input's message to the caller instead of crashing the process.
+constexpr uint32_t kOpVersion = 16;
+
+// The table every kernel of the op fills alike (msda_op.cc): its version and name, five inputs and one output, none
+// optional or variadic. Each kernel sets the rest: provider, element types, input memory, kernel callbacks.
+OrtCustomOp op_table();
+
 // Reads the context's five inputs, checks their shapes (an ORT_INVALID_ARGUMENT status naming the problem) and
 // creates the output: nullptr on success (msda_op.cc).
 OrtStatus* prepare(const OrtApi* api, OrtKernelContext* context, Tensors& t);

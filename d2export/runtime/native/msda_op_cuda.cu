@@ -28,7 +28,6 @@
 
 namespace {
 
-constexpr uint32_t kOpVersion = 16;  // as the CPU op: CreateKernelV2/KernelComputeV2 (statuses out of Compute)
 constexpr int kThreads = 256;
 using msda::kMaxLevels;
 using msda::Levels;
@@ -126,10 +125,7 @@ OrtStatus* ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context) 
 }
 
 void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
-const char* ORT_API_CALL op_name(const OrtCustomOp*) { return "MultiScaleDeformableAttention"; }
 const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
-size_t ORT_API_CALL input_count(const OrtCustomOp*) { return 5; }
-size_t ORT_API_CALL output_count(const OrtCustomOp*) { return 1; }
 template <typename T>
 ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
   return index == 0 ? Op<T>::type
@@ -139,36 +135,21 @@ template <typename T>
 ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
   return Op<T>::type;
 }
-OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, size_t) {
-  return INPUT_OUTPUT_REQUIRED;
-}
 // The level tables are read on the host (shape checks, kernel arguments): onnxruntime hands them over in host memory.
 OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t index) {
   return index == 1 || index == 2 ? OrtMemTypeCPUInput : OrtMemTypeDefault;
 }
-int ORT_API_CALL min_arity(const OrtCustomOp*) { return 1; }
-int ORT_API_CALL homogeneous(const OrtCustomOp*) { return 1; }
 
 template <typename T>
 OrtCustomOp make_op() {
-  OrtCustomOp op{};
-  op.version = kOpVersion;
-  op.GetName = op_name;
+  OrtCustomOp op = msda::op_table();
   op.GetExecutionProviderType = op_provider;
   op.GetInputType = input_type<T>;
-  op.GetInputTypeCount = input_count;
   op.GetOutputType = output_type<T>;
-  op.GetOutputTypeCount = output_count;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = required;
-  op.GetOutputCharacteristic = required;
   op.GetInputMemoryType = input_memory;
-  op.GetVariadicInputMinArity = min_arity;
-  op.GetVariadicInputHomogeneity = homogeneous;
-  op.GetVariadicOutputMinArity = min_arity;
-  op.GetVariadicOutputHomogeneity = homogeneous;
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute_kernel<T>;
+  op.KernelDestroy = destroy_kernel;
   return op;
 }
 
