@@ -240,3 +240,56 @@ def test_ctc_trained_slots_are_read_as_ctc_by_the_export():
     assert FAMILY.postprocess(_cfg("micro_spotter.yaml"))["text_decoding"] == "slots"
     on = _cfg("micro_spotter.yaml", "MODEL.TRANSFORMER.TEXT_CTC", "True")
     assert FAMILY.postprocess(on)["text_decoding"] == "ctc"
+
+
+def test_character_centres_lie_along_the_midline_by_hand():
+    """A straight word from x 0.1 to 0.5 between y 0.2 (top) and 0.4 (bottom), 4 points a side; "ab" → centres at
+    u = 1/4 and 3/4: x 0.2 and 0.4, y 0.3; padding slots give none."""
+    from testr.modeling.testr.criterion import character_centres
+
+    xs = torch.linspace(0.1, 0.5, 4)
+    top = torch.stack([xs, torch.full((4,), 0.2)], -1)
+    bottom = torch.stack([xs.flip(0), torch.full((4,), 0.4)], -1)  # right to left
+    points = torch.cat([top, bottom])[None]
+    centres, ids = character_centres(points, torch.tensor([[65, 66, 96, 96]]), 96)
+    torch.testing.assert_close(centres, torch.tensor([[0.2, 0.3], [0.4, 0.3]]))
+    assert ids.tolist() == [65, 66]
+
+
+def test_the_char_centre_loss_reads_the_feature_map_where_the_characters_are():
+    """A feature map that holds one-hot class vectors exactly at two characters' cells and nothing elsewhere: a
+    classifier that is the identity scores a low loss there; the same map with the characters swapped, a high one."""
+    from testr.modeling.testr.criterion import char_centre_loss
+
+    voc, (h, w) = 4, (8, 16)
+    features = torch.zeros(1, voc, h, w)
+    # a 64 x 128 picture, stride 8: the centres of cells (4, 3) and (4, 9) at x 28 and 76 px, y 36 px
+    features[0, 1, 4, 3] = features[0, 2, 4, 9] = 50.0
+    identity = torch.nn.Linear(voc, voc, bias=False)
+    identity.weight.data = torch.eye(voc)
+    xs = torch.tensor([4.0, 52.0, 100.0]) / 128  # the outline from x 4 to 100 px: "ab" centred at 28 and 76 px
+    top = torch.stack([xs, torch.full((3,), 28.0 / 64)], -1)
+    bottom = torch.stack([xs.flip(0), torch.full((3,), 44.0 / 64)], -1)
+    target = {"ctrl_points": torch.cat([top, bottom])[None], "texts": torch.tensor([[1, 2, voc]])}
+    right = char_centre_loss(identity, features, [target], [(64, 128)], (64, 128), voc)
+    target["texts"] = torch.tensor([[2, 1, voc]])
+    wrong = char_centre_loss(identity, features, [target], [(64, 128)], (64, 128), voc)
+    assert float(right) < 0.1 < 10.0 < float(wrong)
+
+
+def test_the_char_centre_classifier_trains_and_never_ships(tmp_path):
+    """On: a loss beside the others from a picture with words, a fresh classifier warm-starting from weights without
+    it; the float16 snapshot (what exports and serves) has none of it."""
+    from testr.train import load_checkpoint, save_checkpoint, save_weights_fp16
+
+    cfg = _cfg("micro.yaml", "MODEL.TRANSFORMER.LOSS.CHAR_CENTRE_WEIGHT", "1.0")
+    model = _model(cfg)
+    model.train()
+    losses = model([_picture(2)])
+    assert float(losses["loss_char_centres"]) > 0
+    plain = _model(_cfg("micro.yaml"))
+    save_checkpoint(tmp_path / "plain.pth", plain, iteration=3)
+    assert load_checkpoint(tmp_path / "plain.pth", model) == 3
+    save_weights_fp16(tmp_path / "half.pth", model)
+    assert not [k for k in torch.load(tmp_path / "half.pth")["model"] if k.startswith("char_centre_class")]
+    load_checkpoint(tmp_path / "half.pth", plain)

@@ -61,17 +61,19 @@ def save_checkpoint(path, model, optimizer=None, iteration=0, **extra):
 
 def save_weights_fp16(path, model, iteration=0):
     """The weights alone in float16 (half the size; loading copies them into the float32 model), on the CPU
-    whatever device trained them."""
-    state = {k: (v.half() if v.is_floating_point() else v).cpu() for k, v in model.state_dict().items()}
+    whatever device trained them; without the training-only character-centre classifier (what serves has none)."""
+    state = {k: (v.half() if v.is_floating_point() else v).cpu() for k, v in model.state_dict().items()
+             if not k.startswith("char_centre_class.")}
     _atomic_save({"model": state, "iteration": iteration}, path)
 
 
 def load_checkpoint(path, model, optimizer=None):
-    """Loads strictly, but for BatchNorm's step counters: weights trained with frozen norms (FrozenBatchNorm2d has
-    none) warm-start a model whose norms train. Returns the iteration it was written at."""
+    """Loads strictly, but for BatchNorm's step counters (weights trained with frozen norms, which FrozenBatchNorm2d
+    has none of, warm-start a model whose norms train) and the training-only character-centre classifier (a run that
+    adds it starts it fresh). Returns the iteration it was written at."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("num_batches_tracked")]
+    missing = [k for k in missing if not k.endswith("num_batches_tracked") and not k.startswith("char_centre_class.")]
     if missing or unexpected:
         raise RuntimeError(f"{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if optimizer is not None and "optimizer" in state:

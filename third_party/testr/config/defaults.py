@@ -51,6 +51,11 @@ def add_testr_config(cfg):
     # away from its reference box's centre. The text queries sample only around that box, so a query matched to
     # another word is taught to read what it cannot see.
     loss.POINT_REF_WEIGHT = 0.0
+    # not upstream's (0 is upstream): a linear classifier reads each character from the finest feature map at its
+    # centre (estimated along the word's midline) while training, so that the backbone learns what characters look
+    # like where the text queries sample. Measured: a linear probe of the micro spotter's stride-8 features at the
+    # characters' centres read 5.9% of characters (as always guessing the commonest), 9.3% after 2,600 more steps
+    loss.CHAR_CENTRE_WEIGHT = 0.0
     loss.BOX_CLASS_WEIGHT = 2.0
     loss.BOX_COORD_WEIGHT = 5.0
     loss.BOX_GIOU_WEIGHT = 2.0

@@ -12,7 +12,7 @@ from detectron2.modeling.meta_arch.build import META_ARCH_REGISTRY
 from detectron2.structures import ImageList, Instances
 
 from testr.layers.pos_encoding import PositionalEncoding2D
-from testr.modeling.testr.criterion import SetCriterion
+from testr.modeling.testr.criterion import SetCriterion, char_centre_loss
 from testr.modeling.testr.models import TESTR
 from testr.utils.misc import NestedTensor
 
@@ -112,6 +112,9 @@ class TransformerDetector(nn.Module):
         self.testr = TESTR(cfg, backbone)
         self.criterion = SetCriterion(cfg.MODEL.TRANSFORMER.LOSS, cfg.MODEL.TRANSFORMER.VOC_SIZE,
                                       ctc=cfg.MODEL.TRANSFORMER.TEXT_CTC)
+        # training only (LOSS.CHAR_CENTRE_WEIGHT): reads characters from the finest map; inference never calls it
+        self.char_centre_class = nn.Linear(cfg.MODEL.TRANSFORMER.HIDDEN_DIM, cfg.MODEL.TRANSFORMER.VOC_SIZE) \
+            if cfg.MODEL.TRANSFORMER.LOSS.CHAR_CENTRE_WEIGHT > 0 else None
 
         # plain tensors in a closure, not buffers: not in the state dict, and not moved by .to()
         pixel_mean = torch.Tensor(cfg.MODEL.PIXEL_MEAN).to(self.device).view(3, 1, 1)
@@ -134,7 +137,12 @@ class TransformerDetector(nn.Module):
         output = self.testr(images)
         if self.training:
             gt = [x["instances"].to(self.device) for x in batched_inputs]
-            losses = self.criterion(output, self.prepare_targets(gt))
+            targets = self.prepare_targets(gt)
+            losses = self.criterion(output, targets)
+            if self.char_centre_class is not None:
+                losses["loss_char_centres"] = char_centre_loss(
+                    self.char_centre_class, output["char_features"], targets, images.image_sizes,
+                    images.tensor.shape[-2:], self.criterion.voc_size)
             return {k: v * self.criterion.weight(k) for k, v in losses.items()}
 
         ctrl_point_cls = output["pred_logits"]

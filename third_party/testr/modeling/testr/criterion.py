@@ -36,7 +36,8 @@ class SetCriterion(nn.Module):
                                                c.FOCAL_ALPHA, c.FOCAL_GAMMA)
         self.weights = {"loss_ce": c.POINT_CLASS_WEIGHT, "loss_ctrl_points": c.POINT_COORD_WEIGHT,
                         "loss_texts": c.POINT_TEXT_WEIGHT, "loss_enc_ce": c.BOX_CLASS_WEIGHT,
-                        "loss_enc_bbox": c.BOX_COORD_WEIGHT, "loss_enc_giou": c.BOX_GIOU_WEIGHT}
+                        "loss_enc_bbox": c.BOX_COORD_WEIGHT, "loss_enc_giou": c.BOX_GIOU_WEIGHT,
+                        "loss_char_centres": c.CHAR_CENTRE_WEIGHT}
 
     def focal(self, logits, positive, num_words):
         """(B, Q, …, 1) logits, (B, Q) bool → the focal loss over every element, a query's points averaged."""
@@ -92,3 +93,39 @@ class SetCriterion(nn.Module):
 
     def weight(self, name):
         return self.weights[name.rsplit("_", 1)[0] if name[-1].isdigit() else name]
+
+
+def character_centres(points, texts, voc_size):
+    """Each word's characters' estimated centres: (m, 2) points in the control points' units and (m,) class ids.
+    `points` (n, K, 2): the top outline left to right, then the bottom right to left (polygon points or Bézier
+    control points: both are read as polylines); `texts` (n, T) padded with voc_size. The i-th of L characters sits
+    at u = (i + 0.5) / L along the midline between the two outlines."""
+    half = points.shape[1] // 2
+    top, bottom = points[:, :half], points[:, half:].flip(1)
+    known = texts < voc_size  # labels are left-aligned: the first `length` slots
+    word, slot = known.nonzero(as_tuple=True)
+    length = known.sum(1)[word].to(points.dtype)
+    f = (slot.to(points.dtype) + 0.5) / length * (half - 1)
+    lo = f.floor().long().clamp(max=half - 2)
+    frac = (f - lo.to(points.dtype))[:, None]
+    mid = (top + bottom) / 2
+    return mid[word, lo] * (1 - frac) + mid[word, lo + 1] * frac, texts[word, slot].long()
+
+
+def char_centre_loss(classifier, features, targets, image_sizes, padded_hw, voc_size):
+    """Cross-entropy of `classifier` reading `features` (B, C, h, w: the finest map of the batch padded to
+    `padded_hw`) at every target character's centre; targets' control points are relative to each unpadded image
+    (`image_sizes`: (h, w) each)."""
+    padded = features.new_tensor([float(padded_hw[0]), float(padded_hw[1])])
+    logits, labels = [], []
+    for b, (t, (h, w)) in enumerate(zip(targets, image_sizes)):
+        if not len(t["texts"]):
+            continue
+        centres, ids = character_centres(t["ctrl_points"], t["texts"], voc_size)
+        grid = centres * features.new_tensor([w, h]) / padded.flip(0) * 2 - 1  # [-1, 1] edge to edge
+        sampled = F.grid_sample(features[b:b + 1], grid[None, None].to(features.dtype), align_corners=False)
+        logits.append(classifier(sampled[0, :, 0].T))
+        labels.append(ids)
+    if not logits:
+        return features.sum() * 0
+    return F.cross_entropy(torch.cat(logits), torch.cat(labels))

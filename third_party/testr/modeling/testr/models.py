@@ -193,6 +193,7 @@ class TESTR(nn.Module):
         out["enc_outputs"] = {"pred_logits": enc_outputs_class, "pred_boxes": enc_outputs_coord_unact.sigmoid()}
         if self.training:  # where each query's text branch sampled (TESTR never refines them: every layer's are the
             out["pred_references"] = inter_references[-1]  # encoder's top-k): the matcher may prefer words there
+            out["char_features"] = srcs[0]  # the finest projected map, for LOSS.CHAR_CENTRE_WEIGHT
         return out
 
     @torch.jit.unused
