@@ -175,8 +175,9 @@ def main(argv=None) -> int:
             losses = train_step(model, optimizer, next(stream), clip)
             scheduler.step()
             step += 1
-            for k in ("total", "loss_texts", "loss_ctrl_points", "loss_ce"):
-                sums[k] = sums.get(k, 0.0) + losses[k]
+            for k in ("total", "loss_texts", "loss_ctrl_points", "loss_ce", "loss_char_centres"):
+                if k in losses:
+                    sums[k] = sums.get(k, 0.0) + losses[k]
             if step % 50 == 0:
                 row = {"iter": step, "seconds": round(time.time() - started), **{k: round(v / 50, 3)
                                                                                   for k, v in sums.items()}}
