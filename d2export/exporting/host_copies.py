@@ -10,6 +10,7 @@ and lists those crossings.
 from __future__ import annotations
 
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,8 +78,5 @@ def census(path: Path) -> dict:
     """What the benchmark and a user read: the optimized graph's nodes, its shape nodes and its crossings by kind."""
     model = optimized(path)
     found = crossings(model)
-    kinds: dict[str, int] = {}
-    for c in found:
-        kinds[f"{c.made_by} → {c.op}"] = kinds.get(f"{c.made_by} → {c.op}", 0) + 1
     return {"nodes": len(model.graph.node), "shape_nodes": sum(n.op_type in SHAPE_SOURCES for n in model.graph.node),
-            "host_to_device": len(found), "by_kind": kinds}
+            "host_to_device": len(found), "by_kind": dict(Counter(f"{c.made_by} → {c.op}" for c in found))}
