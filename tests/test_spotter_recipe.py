@@ -293,3 +293,36 @@ def test_the_char_centre_classifier_trains_and_never_ships(tmp_path):
     save_weights_fp16(tmp_path / "half.pth", model)
     assert not [k for k in torch.load(tmp_path / "half.pth")["model"] if k.startswith("char_centre_class")]
     load_checkpoint(tmp_path / "half.pth", plain)
+
+
+def test_glyph_pretraining_reads_each_character_where_it_was_drawn():
+    """tools/pretrain_glyphs.py's centres from a mapped synthetic picture (resized by the mapper) are the band's
+    midline at each glyph's centre, in the mapped picture's pixels; the classifier gets one row per character."""
+    import sys
+
+    import numpy as np
+
+    from d2export.datasets import synth
+    from d2export.datasets.catalog import text_record
+    from d2export.datasets.text import glyph_centres
+    from testr.data import DatasetMapperWithBasis
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import pretrain_glyphs
+
+    cfg = _cfg("micro_spotter.yaml")
+    mapper = DatasetMapperWithBasis(cfg, is_train=True)
+    mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # 240 → 320 px: a scale of 4/3
+    record = mapper(text_record(5, 3, size=(240, 240)))
+    _, instances = synth.draw("text", 5, 3, 240, 240)
+    from d2export.charset import charset
+
+    points, ids = pretrain_glyphs.centres(record["instances"], 96, charset(96))
+    expected = np.concatenate([i["band"].at(np.asarray(glyph_centres(i["word"])), 0.5) for i in instances])
+    np.testing.assert_allclose(points.numpy(), expected * 320 / 240, atol=0.05)
+    assert len(ids) == sum(len(i["word"]) for i in instances) > 0
+
+    reader = pretrain_glyphs.GlyphReader(_model(cfg), 96)
+    logits, labels = reader.logits([record])
+    assert logits.shape == (len(ids), 96) and labels.tolist() == ids.tolist()
+    assert all(p.requires_grad for p in reader.parameters())

@@ -289,3 +289,35 @@ def test_drawing_a_set_needs_no_torch():
             "assert 'torch' not in sys.modules and 'detectron2' not in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _ink_columns(alpha):
+    return np.nonzero((alpha > 0).any(axis=0))[0]
+
+
+@pytest.mark.parametrize("word", ["mill", "Wall", "C3PO", "queen", "jazz", "24h", "WELCOME"])
+def test_glyph_centres_lie_between_the_ink_of_their_neighbours(word):
+    """Character i's centre lies past the ink of the first i characters and within the ink of the first i + 1,
+    each prefix drawn on its own (its ink starts where the word's does: the same first glyph)."""
+    from d2export.datasets.text import flat_word, glyph_centres
+
+    size = 24
+    alpha = flat_word(word, size, 0)
+    start = _ink_columns(alpha)[0]
+    ends = [start]
+    for i in range(1, len(word) + 1):
+        cols = _ink_columns(flat_word(word[:i], size, 0))
+        ends.append(start + cols[-1] - cols[0] + 1)
+    assert ends[-1] == _ink_columns(alpha)[-1] + 1
+    centres = np.asarray(glyph_centres(word, size)) * alpha.shape[1]
+    for i, c in enumerate(centres):
+        assert ends[i] - 1 <= c <= ends[i + 1] + 1, (word, i, c, ends)
+
+
+def test_even_shares_of_a_word_miss_its_glyphs():
+    """What glyph_centres replaces: in "mill" the even share of the first character (u = 1/8) lies inside the m's
+    ink but far from its centre, and the l's even share (5/8) lies on the i."""
+    from d2export.datasets.text import glyph_centres
+
+    centres = glyph_centres("mill")
+    assert centres[0] > 0.2 and abs(centres[2] - 0.625) > 0.1

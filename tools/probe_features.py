@@ -3,8 +3,9 @@
 and scored on another. If it reads few characters, the recognition head cannot read more; if it reads many and the
 spotter does not, the head (where its slots look, how they are trained) is what fails.
 
-Character centres are estimated: a word's i-th of L characters at u = (i + 0.5) / L along its band's midline (the
-renderer spaces glyphs by their own widths, so narrow and wide letters sit a little off).
+Character centres are where the renderer centred each glyph along the word's band (`glyph_centres`; until
+2026-11-27 an even share of the word, which put narrow and wide letters a character off: the figures in
+docs/training.md say which).
 
     python tools/probe_features.py --weights tests/data/spotter_fixture.pth \\
         --config third_party/testr/configs/micro_spotter.yaml
@@ -21,16 +22,15 @@ sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
 
 
 def centres(annotation: dict, voc_size: int) -> tuple[list[list[float]], list[int]]:
-    """A word's estimated character centres (picture pixels) and their class ids."""
-    import numpy as np
-
-    from d2export.cubic import curve
+    """A word's character centres (picture pixels: where the renderer centred each glyph) and their class ids."""
+    from d2export.charset import charset, decode
+    from d2export.datasets.text import glyph_points
 
     ids = [c for c in annotation["rec"] if c < voc_size]
-    pts = np.asarray(annotation["bezier_pts"], np.float64).reshape(8, 2)
-    top, bottom = pts[:4], pts[4:][::-1]  # AdelaiDet's bottom curve runs right to left
-    u = (np.arange(len(ids)) + 0.5) / max(len(ids), 1)
-    return ((curve(top, u) + curve(bottom, u)) / 2).tolist(), ids
+    word = decode(ids, charset(voc_size))
+    if not ids or len(word) != len(ids):
+        return [], []
+    return glyph_points(annotation["bezier_pts"], word).tolist(), ids
 
 
 def sampled(model, mapper, records, level: int, voc_size: int):

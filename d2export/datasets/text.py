@@ -44,6 +44,11 @@ def font(size: int):
 def flat_word(word: str, size: int, stroke: int) -> np.ndarray:
     """The word's ink as float32 alpha in [0, 1], cropped to the ink with a small margin: the flat rendering the
     band maps into the picture, its edges the label's edges."""
+    return _flat(word, size, stroke)[0]
+
+
+def _flat(word: str, size: int, stroke: int) -> tuple[np.ndarray, float]:
+    """flat_word's alpha and the alpha column of the text's origin (where the first glyph's advance starts)."""
     from PIL import Image, ImageDraw
 
     f = font(size)
@@ -54,7 +59,29 @@ def flat_word(word: str, size: int, stroke: int) -> np.ndarray:
     ys, xs = np.nonzero(alpha > 0)
     alpha = alpha[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
     margin = max(1, round(0.06 * alpha.shape[0]))
-    return np.pad(alpha, margin)
+    return np.pad(alpha, margin), float(2 - left - xs.min() + margin)
+
+
+@lru_cache(maxsize=4096)
+def glyph_centres(word: str, size: int = 24) -> tuple[float, ...]:
+    """Where each character's advance is centred along its word's band, as the band's parameter u in [0, 1] (the
+    picture point is the band's midline there: Band.at(u, 0.5)). The renderer spaces glyphs by their own widths, so
+    these are not the even (i + 0.5) / L: in "mill" the m's centre is at 0.26, not 0.125. Fractions barely depend
+    on the size the word was drawn at; `size` is the one they are measured at."""
+    alpha, origin = _flat(word, size, 0)
+    f = font(size)
+    edges = [f.getlength(word[:i]) for i in range(len(word) + 1)]
+    return tuple((origin + (a + b) / 2) / alpha.shape[1] for a, b in zip(edges, edges[1:]))
+
+
+def glyph_points(bezier_pts, word: str) -> np.ndarray:
+    """Each character's centre in the picture ([len(word), 2]): the band's midline (AdelaiDet's 16 Bezier numbers:
+    the top curve left to right, the bottom right to left) at the character's glyph_centres."""
+    from d2export.cubic import curve
+
+    pts = np.asarray(bezier_pts, np.float64).reshape(8, 2)
+    u = np.asarray(glyph_centres(word))
+    return (curve(pts[:4], u) + curve(pts[4:][::-1], u)) / 2
 
 
 def warp(alpha: np.ndarray, band: Band, width: int, height: int) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:

@@ -1,0 +1,201 @@
+"""Teach the spotter's backbone characters before it learns to spot: what ImageNet and SynthText pretraining give
+upstream TESTR, done on the synthetic stream in minutes.
+
+A linear classifier reads the stride-8 map (res3, the level the text queries sample finest) at each character's
+centre — the exact centre where the renderer placed its glyph (`glyph_centres`), not an even share of the word —
+and the stem, res2 and res3 train under it. Only those three stages run, so a step costs a fraction of a spotter
+step and labels every character of its pictures. The result is the whole model's float16 weights with the new
+backbone (everything else as --init had it), ready for `train_spotter.py --init`.
+
+    python tools/pretrain_glyphs.py --init outputs/probe55/E_slots_ce/model.pth --out outputs/glyphs --minutes 20
+
+Every --eval-every steps the classifier is scored on --eval-count pictures of --eval-seed (validation: 2); the
+record (metrics.jsonl) holds the loss and that accuracy. Run again with the same --out to go on from last.pth.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "third_party")]
+
+
+def centres(instances, voc_size: int, chars: list[str]):
+    """The mapped picture's character centres (pixels, [n, 2]) and their class ids [n] from its instances' Bezier
+    bands and transcriptions."""
+    import numpy as np
+    import torch
+
+    from d2export.charset import decode
+    from d2export.datasets.text import glyph_points
+
+    points, ids = [], []
+    for bezier, text in zip(instances.beziers.numpy(), instances.text.tolist()):
+        known = [c for c in text if c < voc_size]
+        word = decode(known, chars)
+        if known and len(word) == len(known):
+            points.append(glyph_points(bezier, word))
+            ids += known
+    if not ids:
+        return torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)
+    return torch.as_tensor(np.concatenate(points), dtype=torch.float32), torch.as_tensor(ids)
+
+
+class GlyphReader:
+    """The backbone's stem, res2 and res3 and a linear classifier at character centres of a batch of mapped
+    records."""
+
+    def __init__(self, model, voc_size: int):
+        import torch
+
+        self.model = model
+        self.resnet = model.testr.backbone[0].backbone
+        self.voc_size = voc_size
+        from d2export.charset import charset
+
+        self.chars = charset(voc_size)
+        channels = self.resnet.res3[-1].conv3.out_channels
+        self.head = torch.nn.Linear(channels, voc_size)
+
+    def parameters(self):
+        stages = [self.resnet.stem, self.resnet.res2, self.resnet.res3, self.head]
+        return [p for m in stages for p in m.parameters()]
+
+    def logits(self, batch):
+        """(logits [n, voc_size], labels [n]) over every character of the batch."""
+        import torch
+        import torch.nn.functional as F
+
+        images = [self.model.normalizer(r["image"].float()) for r in batch]
+        h = max(i.shape[-2] for i in images)
+        w = max(i.shape[-1] for i in images)
+        h, w = -(-h // 32) * 32, -(-w // 32) * 32
+        x = torch.stack([F.pad(i, (0, w - i.shape[-1], 0, h - i.shape[-2])) for i in images])
+        r = self.resnet
+        fmap = r.res3(r.res2(r.stem(x)))
+        scale = fmap.new_tensor([w, h])
+        logits, labels = [], []
+        for b, record in enumerate(batch):
+            points, ids = centres(record["instances"], self.voc_size, self.chars)
+            if not len(ids):
+                continue
+            grid = points / scale * 2 - 1  # align_corners=False: the map spans the padded picture edge to edge
+            sampled = F.grid_sample(fmap[b:b + 1], grid[None, None], align_corners=False)[0, :, 0].T
+            logits.append(self.head(sampled))
+            labels.append(ids)
+        if not logits:
+            return fmap.new_zeros(0, self.voc_size), torch.zeros(0, dtype=torch.long)
+        return torch.cat(logits), torch.cat(labels)
+
+    def accuracy(self, records, mapper) -> float:
+        import torch
+
+        self.resnet.eval()
+        right = total = 0
+        try:
+            with torch.no_grad():
+                for i in range(0, len(records), 8):
+                    logits, labels = self.logits([mapper(r) for r in records[i:i + 8]])
+                    right += int((logits.argmax(1) == labels).sum())
+                    total += len(labels)
+        finally:
+            self.resnet.train()
+        return 100.0 * right / max(total, 1)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(REPO / "third_party/testr/configs/micro_spotter.yaml"))
+    ap.add_argument("--init", default="", help="the spotter weights whose backbone trains (default: seeded ones)")
+    ap.add_argument("--out", default="outputs/glyphs")
+    ap.add_argument("--minutes", type=float, default=20)
+    ap.add_argument("--steps", type=int, default=100000)
+    ap.add_argument("--batch", type=int, default=8, help="pictures a step")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--size", default="320x320")
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--eval-count", type=int, default=100)
+    ap.add_argument("--eval-seed", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from d2export.patching import compiled_ops
+
+    compiled_ops.install(["testr._C"])
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    import testr  # noqa: F401 - registers TransformerDetector
+    from detectron2.modeling import build_model
+    from testr.config import get_cfg
+    from testr.data import DatasetMapperWithBasis
+    from testr.data.stream import stream
+    from testr.train import _atomic_save, load_checkpoint, save_weights_fp16
+
+    from d2export.datasets import generate, register
+    from d2export.datasets.catalog import text_record
+    from d2export.datasets.synth import parse_size
+    from detectron2.data import DatasetCatalog
+
+    cfg = get_cfg()
+    cfg.merge_from_file(args.config)
+    cfg.merge_from_list(args.overrides)
+    cfg.MODEL.DEVICE = "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(cfg)
+    if args.init:
+        load_checkpoint(Path(args.init), model)
+    reader = GlyphReader(model, int(cfg.MODEL.TRANSFORMER.VOC_SIZE))
+    optimizer = torch.optim.AdamW(reader.parameters(), lr=args.lr, weight_decay=1e-4)
+    step = 0
+    if (out / "last.pth").is_file():
+        state = torch.load(out / "last.pth", map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+        reader.head.load_state_dict(state["head"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+    size = parse_size(args.size)
+    folder = out / f"validation_{args.eval_seed}_{args.eval_count}"
+    if not (folder / "annotations.json").is_file():
+        generate("text", folder, count=args.eval_count, seed=args.eval_seed, size=size)
+    register("glyphs_validation", folder)
+    validation = DatasetCatalog.get("glyphs_validation")
+    test_mapper = DatasetMapperWithBasis(cfg, is_train=True)  # keeps the annotations ...
+    test_mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # ... at the test size
+    batches = stream(partial(text_record, 0, size=size), DatasetMapperWithBasis(cfg, is_train=True), args.batch,
+                     seed=0, start=step, workers=args.workers)
+    metrics = open(out / "metrics.jsonl", "a")
+    started, losses = time.time(), []
+    model.train()
+    while step < args.steps and time.time() - started < args.minutes * 60:
+        logits, labels = reader.logits(next(batches))
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        step += 1
+        if step % args.eval_every == 0:
+            row = {"step": step, "loss": sum(losses) / len(losses), "seconds": round(time.time() - started),
+                   "validation_char_accuracy": round(reader.accuracy(validation, test_mapper), 2)}
+            losses = []
+            print(json.dumps(row), flush=True)
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            _atomic_save({"model": model.state_dict(), "head": reader.head.state_dict(),
+                          "optimizer": optimizer.state_dict(), "step": step}, out / "last.pth")
+            save_weights_fp16(out / "model.pth", model, step)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
