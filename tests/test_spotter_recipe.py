@@ -326,3 +326,30 @@ def test_glyph_pretraining_reads_each_character_where_it_was_drawn():
     logits, labels = reader.logits([record])
     assert logits.shape == (len(ids), 96) and labels.tolist() == ids.tolist()
     assert all(p.requires_grad for p in reader.parameters())
+
+
+def test_the_feature_probe_reads_the_projected_map_or_the_encoders_memory(tmp_path):
+    """tools/probe_features.py samples a feature per character of a synthetic picture, from the projected stride-8
+    map or from the encoder's memory at the same level (the tokens of that level, back in their grid): the two
+    differ, and a level's memory is not another level's."""
+    import sys
+
+    from d2export.datasets import generate, register
+    from detectron2.data import DatasetCatalog
+    from testr.data import DatasetMapperWithBasis
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import probe_features
+
+    generate("text", tmp_path / "pics", count=2, seed=5, size=(240, 320))
+    register("probe_features_test", tmp_path / "pics")
+    records = DatasetCatalog.get("probe_features_test")
+    cfg = _cfg("micro_spotter.yaml")
+    model = _model(cfg).eval()
+    mapper = DatasetMapperWithBasis(cfg, is_train=False)
+    chars = sum(len([c for c in a["rec"] if c < 96]) for r in records for a in r["annotations"])
+    projected, ids = probe_features.sampled(model, mapper, records, 0, 96)
+    memory, same_ids = probe_features.sampled(model, mapper, records, 0, 96, "memory")
+    coarser, _ = probe_features.sampled(model, mapper, records, 1, 96, "memory")
+    assert projected.shape == memory.shape == (chars, 128) and ids.tolist() == same_ids.tolist()
+    assert not torch.allclose(projected, memory) and not torch.allclose(memory, coarser)

@@ -10,7 +10,9 @@ backbone (everything else as --init had it), ready for `train_spotter.py --init`
     python tools/pretrain_glyphs.py --init outputs/probe55/E_slots_ce/model.pth --out outputs/glyphs --minutes 20
 
 Every --eval-every steps the classifier is scored on --eval-count pictures of --eval-seed (validation: 2); the
-record (metrics.jsonl) holds the loss and that accuracy. Run again with the same --out to go on from last.pth.
+curve (metrics.jsonl, and model.json beside the weights with the command, the machine and what --init was, which
+`train_spotter.py --init` keeps in its own record) holds the loss and that accuracy; the run's last step is scored
+and saved too. Run again with the same --out to go on from last.pth.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "third_party")]
+sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
 
 
 def centres(instances, voc_size: int, chars: list[str]):
@@ -140,6 +142,8 @@ def main(argv=None) -> int:
     from testr.data.stream import stream
     from testr.train import _atomic_save, load_checkpoint, save_weights_fp16
 
+    from train_spotter import init_lineage, machine
+
     from d2export.datasets import generate, register
     from d2export.datasets.catalog import text_record
     from d2export.datasets.synth import parse_size
@@ -173,8 +177,25 @@ def main(argv=None) -> int:
     test_mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # ... at the test size
     batches = stream(partial(text_record, 0, size=size), DatasetMapperWithBasis(cfg, is_train=True), args.batch,
                      seed=0, start=step, workers=args.workers)
-    metrics = open(out / "metrics.jsonl", "a")
+    record = {"made_by": "tools/pretrain_glyphs.py", "command": " ".join(sys.argv), "machine": machine(),
+              "train": {"seed": 0, "size": args.size, "batch": args.batch, "lr": args.lr},
+              "validation": {"seed": args.eval_seed, "count": args.eval_count},
+              **({"init": init_lineage(Path(args.init))} if args.init else {})}
     started, losses = time.time(), []
+
+    def checkpoint():
+        row = {"step": step, "loss": sum(losses) / max(len(losses), 1), "seconds": round(time.time() - started),
+               "validation_char_accuracy": round(reader.accuracy(validation, test_mapper), 2)}
+        losses.clear()
+        print(json.dumps(row), flush=True)
+        with open(out / "metrics.jsonl", "a") as metrics:
+            metrics.write(json.dumps(row) + "\n")
+        _atomic_save({"model": model.state_dict(), "head": reader.head.state_dict(),
+                      "optimizer": optimizer.state_dict(), "step": step}, out / "last.pth")
+        save_weights_fp16(out / "model.pth", model, step)
+        curve = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        (out / "model.json").write_text(json.dumps({**record, "steps": step, "curve": curve}, indent=1))
+
     model.train()
     while step < args.steps and time.time() - started < args.minutes * 60:
         logits, labels = reader.logits(next(batches))
@@ -185,15 +206,9 @@ def main(argv=None) -> int:
         losses.append(float(loss.detach()))
         step += 1
         if step % args.eval_every == 0:
-            row = {"step": step, "loss": sum(losses) / len(losses), "seconds": round(time.time() - started),
-                   "validation_char_accuracy": round(reader.accuracy(validation, test_mapper), 2)}
-            losses = []
-            print(json.dumps(row), flush=True)
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            _atomic_save({"model": model.state_dict(), "head": reader.head.state_dict(),
-                          "optimizer": optimizer.state_dict(), "step": step}, out / "last.pth")
-            save_weights_fp16(out / "model.pth", model, step)
+            checkpoint()
+    if losses:  # the steps since the last evaluation
+        checkpoint()
     return 0
 
 

@@ -33,21 +33,29 @@ def centres(annotation: dict, voc_size: int) -> tuple[list[list[float]], list[in
     return glyph_points(annotation["bezier_pts"], word).tolist(), ids
 
 
-def sampled(model, mapper, records, level: int, voc_size: int):
-    """(features at every character centre [n, C], class ids [n]) over `records`."""
+def sampled(model, mapper, records, level: int, voc_size: int, where: str = "projected"):
+    """(features at every character centre [n, C], class ids [n]) over `records`; `where`: the projected map
+    (input_proj) or the encoder's memory there (what the decoder's text queries sample)."""
     import torch
     import torch.nn.functional as F
 
-    maps = []
-    hook = model.testr.input_proj[level].register_forward_hook(lambda m, i, o: maps.append(o))
+    maps, memory = [], []  # every level's projected map, in order; the encoder's output
+    hooks = [proj.register_forward_hook(lambda m, i, o: maps.append(o)) for proj in model.testr.input_proj]
+    if where == "memory":
+        hooks.append(model.testr.transformer.encoder.register_forward_hook(lambda m, i, o: memory.append(o)))
     xs, ys = [], []
     try:
         with torch.no_grad():
             for record in records:
                 maps.clear()
+                memory.clear()
                 item = mapper(record)
                 model([item])
-                fmap = maps[0]  # [1, C, h, w] of the resized, padded input
+                fmap = maps[level]  # [1, C, h, w] of the resized, padded input
+                if memory:  # [1, tokens, C], the levels' maps flattened one after the other
+                    sizes = [m.shape[-2] * m.shape[-1] for m in maps]
+                    start = sum(sizes[:level])
+                    fmap = memory[0][:, start:start + sizes[level]].transpose(1, 2).reshape(fmap.shape)
                 scale = item["image"].shape[-1] / record["width"]  # the test mapper's resize
                 stride = item["image"].shape[-1] / fmap.shape[-1]
                 for ann in record["annotations"]:
@@ -61,7 +69,8 @@ def sampled(model, mapper, records, level: int, voc_size: int):
                     xs.append(F.grid_sample(fmap, grid[None, None], align_corners=False)[0, :, 0].T)
                     ys += ids
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     return torch.cat(xs), torch.tensor(ys)
 
 
@@ -95,6 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--test", default="outputs/probe/data_validation_100", help="pictures to score on (seed 2)")
     ap.add_argument("--train-count", type=int, default=300)
     ap.add_argument("--level", type=int, default=0, help="feature level (0: stride 8)")
+    ap.add_argument("--where", choices=["projected", "memory"], default="projected",
+                    help="the projected map (input_proj) or the encoder's memory (what the text queries sample)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
@@ -127,9 +138,10 @@ def main(argv=None) -> int:
     model.eval()
     mapper = DatasetMapperWithBasis(cfg, is_train=False)
     voc = int(cfg.MODEL.TRANSFORMER.VOC_SIZE)
-    train = sampled(model, mapper, DatasetCatalog.get("features_train")[:args.train_count], args.level, voc)
-    test = sampled(model, mapper, DatasetCatalog.get("features_test"), args.level, voc)
-    result = {"weights": args.weights, "level": args.level, **fit_and_score(train, test, voc)}
+    train = sampled(model, mapper, DatasetCatalog.get("features_train")[:args.train_count], args.level, voc,
+                    args.where)
+    test = sampled(model, mapper, DatasetCatalog.get("features_test"), args.level, voc, args.where)
+    result = {"weights": args.weights, "level": args.level, "where": args.where, **fit_and_score(train, test, voc)}
     print(json.dumps(result))
     return 0
 
