@@ -202,6 +202,36 @@ def test_the_probe_says_where_each_character_slot_looks():
     assert spread["slot_x"] == pytest.approx([(s + 0.5) / 8 - 0.5 for s in range(8)], abs=2e-3)
 
 
+def test_the_finest_level_probe_moves_only_the_text_queries_attention():
+    """--text-finest: the text branch's cross attention then puts all but ~1e-4 of its weight on the finest level
+    (seeded: a quarter); the location branch's is untouched."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("probe_spotter", CONFIGS.parents[2] / "tools" / "probe_spotter.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    model = _model(_cfg("micro.yaml")).eval()
+    mass = {}
+
+    def finest(name, attn):
+        def hook(module, inputs, logits):
+            w = logits.view(*logits.shape[:-1], attn.n_heads, attn.n_levels * attn.n_points).softmax(-1)
+            mass[name] = float(w.view(*w.shape[:-1], attn.n_levels, attn.n_points)[..., 0, :].sum(-1).mean())
+        return hook
+
+    layer = model.testr.transformer.decoder.layers[-1]
+    layer.attn_cross_text.attention_weights.register_forward_hook(finest("text", layer.attn_cross_text))
+    layer.attn_cross.attention_weights.register_forward_hook(finest("location", layer.attn_cross))
+    image = [{"image": torch.rand(3, 96, 128) * 255, "height": 96, "width": 128}]
+    with torch.no_grad():
+        model(image)
+        before = dict(mass)
+        probe.text_reads_the_finest_level(model)
+        model(image)
+    assert before["text"] == pytest.approx(0.25, abs=0.05) and mass["text"] > 0.999
+    assert mass["location"] == pytest.approx(before["location"], abs=1e-6)
+
+
 def _slot_logits(slots: list[int], classes=97, margin=12.0):
     """(1, T, classes) logits, each slot sure of its class."""
     logits = torch.zeros(1, len(slots), classes)

@@ -112,6 +112,20 @@ def slot_placement(model, images) -> dict:
     return {"slot_x": [round(float(v), 3) for v in c.mean(0)], "slot_spread": round(float(c.std(-1).mean()), 4)}
 
 
+def text_reads_the_finest_level(model, bias: float = -10.0) -> None:
+    """Makes every text query's cross attention put its weight on the finest level (stride 8, the only one fine
+    enough for characters 11 px apart): `bias` added to its attention logits of the other levels (they still train).
+    Measured on trained weights, two of the four heads of the text branch's last layer put 83-88% of their weight on
+    stride 16, where the characters are not told apart."""
+    import torch
+
+    with torch.no_grad():
+        for layer in model.testr.transformer.decoder.layers:
+            attn = layer.attn_cross_text
+            b = attn.attention_weights.bias.view(attn.n_heads, attn.n_levels, attn.n_points)
+            b[:, 1:] += bias
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="log.jsonl, result.json and the weights (model.pth) go here")
@@ -124,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="1: two probes side by side on 2 cores")
     ap.add_argument("--init", default="", help="start from these weights (a checkpoint or the float16 fixture)")
     ap.add_argument("--true-refs", action="store_true", help="the words' true boxes as the decoder's references")
+    ap.add_argument("--text-finest", action="store_true",
+                    help="the text queries start attending the finest level only (text_reads_the_finest_level)")
     ap.add_argument("--eval-count", type=int, default=0,
                     help="at the end, the text evaluator on this many validation pictures (seed 2; 0: none)")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
@@ -163,6 +179,8 @@ def main(argv=None) -> int:
     model = build_model(cfg)
     if args.init:
         load_checkpoint(Path(args.init), model)
+    if args.text_finest:
+        text_reads_the_finest_level(model)
     optimizer, mapper = build_optimizer(cfg, model), DatasetMapperWithBasis(cfg, is_train=True)
     scheduler = build_lr_scheduler(cfg, optimizer)
     truth = with_true_references(model) if args.true_refs else None
