@@ -67,6 +67,29 @@ def test_the_text_branch_sampling_offsets_learn_at_the_base_rate(name):
     assert old_rates["linear_proj"] == pytest.approx(0.1 * old.SOLVER.BASE_LR)  # the multiplier is what moves them
 
 
+def test_the_text_branch_learns_at_its_own_rate_only_when_asked():
+    """SOLVER.LR_TEXT_MULT: at 1 (upstream) the optimizer's groups are upstream's; at 10 the character slots'
+    queries, attention and classifier learn at ten times the base rate, the location branch, the encoder and the
+    backbone as before."""
+    from testr.train import build_optimizer
+
+    def rates(*overrides):
+        cfg = _cfg("micro_spotter.yaml", *overrides)
+        model = _model(cfg)
+        by_id = {id(p): g["lr"] for g in build_optimizer(cfg, model).param_groups for p in g["params"]}
+        return cfg, {n: by_id[id(p)] for n, p in model.named_parameters()}
+
+    cfg, plain = rates()
+    assert set(plain.values()) == {cfg.SOLVER.BASE_LR}  # micro.yaml: every group at 1e-3
+    _, fast = rates("SOLVER.LR_TEXT_MULT", "10.0")
+    changed = {n for n in plain if fast[n] != plain[n]}
+    assert {"testr.text_class.weight", "testr.text_embed.weight"} <= changed
+    assert any("attn_cross_text.attention_weights" in n for n in changed)
+    assert all(fast[n] == pytest.approx(10 * cfg.SOLVER.BASE_LR) for n in changed)
+    assert not [n for n in changed if "text" not in n or "sampling_offsets" in n]
+    assert any("attn_cross.attention_weights" in n and n not in changed for n in plain)  # the location branch
+
+
 def _picture(words: int, h=96, w=128):
     from detectron2.structures import Boxes, Instances
 

@@ -8,9 +8,11 @@ import torch
 
 def parameter_groups(cfg, model):
     """AdamW groups as TESTR's trainer makes them: the backbone at LR_BACKBONE, the attention's sampling offsets and
-    reference points at BASE_LR * LR_LINEAR_PROJ_MULT, the rest at BASE_LR."""
+    reference points at BASE_LR * LR_LINEAR_PROJ_MULT, the rest at BASE_LR; with LR_TEXT_MULT other than 1 (not
+    upstream), the text branch's other parameters at BASE_LR * LR_TEXT_MULT."""
     s = cfg.SOLVER
-    groups = {"backbone": [], "linear_proj": [], "rest": []}
+    text = s.LR_TEXT_MULT != 1.0
+    groups = {"backbone": [], "linear_proj": [], "text": [], "rest": []}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -18,9 +20,12 @@ def parameter_groups(cfg, model):
             groups["backbone"].append(p)
         elif any(k in name for k in s.LR_LINEAR_PROJ_NAMES):
             groups["linear_proj"].append(p)
+        elif text and "text" in name:
+            groups["text"].append(p)
         else:
             groups["rest"].append(p)
-    lrs = {"backbone": s.LR_BACKBONE, "linear_proj": s.BASE_LR * s.LR_LINEAR_PROJ_MULT, "rest": s.BASE_LR}
+    lrs = {"backbone": s.LR_BACKBONE, "linear_proj": s.BASE_LR * s.LR_LINEAR_PROJ_MULT,
+           "text": s.BASE_LR * s.LR_TEXT_MULT, "rest": s.BASE_LR}
     return [{"params": ps, "lr": lrs[k], "name": k} for k, ps in groups.items() if ps]
 
 

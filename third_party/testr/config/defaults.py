@@ -67,6 +67,10 @@ def add_testr_config(cfg):
     cfg.SOLVER.LR_BACKBONE_NAMES = []
     cfg.SOLVER.LR_LINEAR_PROJ_NAMES = []
     cfg.SOLVER.LR_LINEAR_PROJ_MULT = 0.1
+    # not upstream's (1.0 is upstream): the text branch (character slots' queries, their attention and classifier;
+    # parameters named "text") at BASE_LR times this, so recognition can learn fast from weights whose detection a
+    # higher base rate would throw away
+    cfg.SOLVER.LR_TEXT_MULT = 1.0
 
     cfg.TEST.USE_LEXICON = False
     # 1 generic, 2 weak, 3 strong (ICDAR 2015); 1 full lexicon (Total-Text, CTW1500)
