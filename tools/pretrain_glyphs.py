@@ -28,21 +28,30 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
 
 
+def word_points(bezier_pts, rec, voc_size: int, chars: list[str]):
+    """One word's character centres (pixels, [n, 2]) and class ids from its Bezier band and transcription ids; None
+    and [] for a word without characters or with one the character set cannot name."""
+    from d2export.charset import decode
+    from d2export.datasets.text import glyph_points
+
+    ids = [c for c in rec if c < voc_size]
+    word = decode(ids, chars)
+    if not ids or len(word) != len(ids):
+        return None, []
+    return glyph_points(bezier_pts, word), ids
+
+
 def centres(instances, voc_size: int, chars: list[str]):
     """The mapped picture's character centres (pixels, [n, 2]) and their class ids [n] from its instances' Bezier
     bands and transcriptions."""
     import numpy as np
     import torch
 
-    from d2export.charset import decode
-    from d2export.datasets.text import glyph_points
-
     points, ids = [], []
     for bezier, text in zip(instances.beziers.numpy(), instances.text.tolist()):
-        known = [c for c in text if c < voc_size]
-        word = decode(known, chars)
-        if known and len(word) == len(known):
-            points.append(glyph_points(bezier, word))
+        found, known = word_points(bezier, text, voc_size, chars)
+        if known:
+            points.append(found)
             ids += known
     if not ids:
         return torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)
@@ -56,11 +65,11 @@ class GlyphReader:
     def __init__(self, model, voc_size: int):
         import torch
 
+        from d2export.charset import charset
+
         self.model = model
         self.resnet = model.testr.backbone[0].backbone
         self.voc_size = voc_size
-        from d2export.charset import charset
-
         self.chars = charset(voc_size)
         channels = self.resnet.res3[-1].conv3.out_channels
         self.head = torch.nn.Linear(channels, voc_size).to(model.device)
@@ -147,6 +156,7 @@ def main(argv=None) -> int:
 
     from train_spotter import init_lineage, machine
 
+    from d2export.building import UserError, resolve_device
     from d2export.datasets import generate, register
     from d2export.datasets.catalog import text_record
     from d2export.datasets.synth import parse_size
@@ -155,8 +165,6 @@ def main(argv=None) -> int:
     cfg = get_cfg()
     cfg.merge_from_file(args.config)
     cfg.merge_from_list(args.overrides)
-    from d2export.building import UserError, resolve_device
-
     try:
         cfg.MODEL.DEVICE = resolve_device(args.device, option="--device ")
     except UserError as e:

@@ -23,14 +23,12 @@ sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
 
 def centres(annotation: dict, voc_size: int) -> tuple[list[list[float]], list[int]]:
     """A word's character centres (picture pixels: where the renderer centred each glyph) and their class ids."""
-    from d2export.charset import charset, decode
-    from d2export.datasets.text import glyph_points
+    from pretrain_glyphs import word_points
 
-    ids = [c for c in annotation["rec"] if c < voc_size]
-    word = decode(ids, charset(voc_size))
-    if not ids or len(word) != len(ids):
-        return [], []
-    return glyph_points(annotation["bezier_pts"], word).tolist(), ids
+    from d2export.charset import charset
+
+    points, ids = word_points(annotation["bezier_pts"], annotation["rec"], voc_size, charset(voc_size))
+    return ([] if points is None else points.tolist()), ids
 
 
 def sampled(model, mapper, records, level: int, voc_size: int, where: str = "projected"):
