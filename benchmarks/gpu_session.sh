@@ -18,6 +18,10 @@
 #   train MINUTES [KEY VALUE ...]: (carry .gpu; one call) train the micro spotter on the GPU from the fixture, e.g.
 #           `train 6 --batch 16 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4`; score what comes back here with
 #           `d2export evaluate` on the held-out set before it may become the fixture (tools/train_spotter.py --fixture)
+#   recipe PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]: (carry .gpu; one call) issue 52's two steps on the GPU:
+#           tools/pretrain_glyphs.py teaches the fixture's stem-res3 characters (batch 32), then train_spotter.py
+#           goes on from those weights with the text slots on their shares of the box; back under $OUT: both curves,
+#           the pretraining's record, the feature probe of its weights and the last float16 spotter (7.5 MB)
 set -uo pipefail
 W=/tmp/work
 mkdir -p $W /tmp/stash /tmp/site
@@ -112,5 +116,20 @@ train)  # (carry .gpu) MINUTES [KEY VALUE ...]: issue 42's unblock — the micro
     | grep -v "it/s\]$" | tail -n 30
   cp $W/spotter/metrics.jsonl "$OUT/" && cp "$(ls $W/spotter/model_*_fp16.pth | tail -n 1)" "$OUT/"
   ;;
-*) echo "usage: $0 pack DIR | prep | stash N | run | train MINUTES [KEY VALUE ...]" >&2; exit 2 ;;
+recipe)  # (carry .gpu) PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]
+  install_site && refresh_repo || exit 1
+  in_repo python3 tools/pretrain_glyphs.py --device cuda --threads 4 --workers 12 --batch 32 \
+    --init tests/data/spotter_fixture.pth --out $W/glyphs --minutes "${2:-4}" --eval-every 500 2>&1 | tail -n 20
+  cp $W/glyphs/metrics.jsonl "$OUT/glyphs_metrics.jsonl"; cp $W/glyphs/model.json "$OUT/glyphs_model.json"
+  in_repo python3 tools/probe_features.py --weights $W/glyphs/model.pth --where memory --threads 8 2>&1 | tail -n 3 \
+    | tee "$OUT/glyphs_probe.log"
+  in_repo python3 tools/train_spotter.py --device cuda --threads 4 --workers 12 --out $W/spotter \
+    --config third_party/testr/configs/micro_spotter.yaml --init $W/glyphs/model.pth \
+    --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "${3:-5}" --eval-every 1000 --batch 16 \
+    SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4 MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True "${@:4}" 2>&1 \
+    | grep -v "it/s\]$" | tail -n 30
+  cp $W/spotter/metrics.jsonl "$OUT/" && cp "$(ls $W/spotter/model_*_fp16.pth | tail -n 1)" "$OUT/"
+  ;;
+*) echo "usage: $0 pack DIR | prep | stash N | run | train MINUTES [KEY VALUE ...] | recipe MIN MIN [KEY VALUE ...]" >&2
+   exit 2 ;;
 esac

@@ -406,3 +406,68 @@ def test_the_feature_probe_reads_the_projected_map_or_the_encoders_memory(tmp_pa
     coarser, _ = probe_features.sampled(model, mapper, records, 1, 96, "memory")
     assert projected.shape == memory.shape == (chars, 128) and ids.tolist() == same_ids.tolist()
     assert not torch.allclose(projected, memory) and not torch.allclose(memory, coarser)
+
+
+def test_glyph_reading_samples_each_character_where_it_was_drawn():
+    """pretrain_glyphs.read_glyphs on a map whose channels are its own cells' pixel coordinates, spanning a padded
+    batch larger than the picture: the features it reads are the glyphs' centres (to the bilinear grid's accuracy),
+    so a map shifted by a cell is read a cell off."""
+    import sys
+
+    from d2export.charset import charset
+    from d2export.datasets.catalog import text_record
+    from testr.data import DatasetMapperWithBasis
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import pretrain_glyphs
+
+    cfg = _cfg("micro_spotter.yaml")
+    mapper = DatasetMapperWithBasis(cfg, is_train=True)
+    mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation
+    record = mapper(text_record(5, 3, size=(240, 320)))  # mapped to 320 x 427: padded below to 480 x 448
+    points, _ = pretrain_glyphs.centres(record["instances"], 96, charset(96))
+    padded_w, padded_h, stride = 480, 448, 8
+    ys, xs = torch.meshgrid(torch.arange(padded_h // stride), torch.arange(padded_w // stride), indexing="ij")
+    fmap = torch.stack([(xs + 0.5) * stride, (ys + 0.5) * stride]).float()[None]  # each cell's centre, in pixels
+    identity = torch.nn.Identity()
+    read, labels = pretrain_glyphs.read_glyphs(identity, fmap, (padded_w, padded_h), [record], 96, charset(96))
+    assert len(labels) == len(points) > 0
+    torch.testing.assert_close(read, points, atol=1e-3, rtol=0)
+    shifted, _ = pretrain_glyphs.read_glyphs(identity, fmap + stride, (padded_w, padded_h), [record], 96, charset(96))
+    assert (shifted - points).abs().min() > stride - 1e-3
+
+
+def test_the_glyph_loss_trains_the_encoder_and_the_backbone_under_the_spotter(monkeypatch):
+    """GlyphLoss adds "loss_glyphs" to the spotter's training losses only (not at inference), read from the memory by
+    default: its gradient reaches the encoder and the backbone; read from the projected map, it does not reach the
+    encoder. Its classifier is not the model's (what serves has none)."""
+    import sys
+
+    from d2export.datasets.catalog import text_record
+    from d2export.patching.compiled_ops import make_stand_in
+    from testr.data import DatasetMapperWithBasis
+    from testr.layers import ms_deform_attn
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import pretrain_glyphs
+
+    monkeypatch.setattr(ms_deform_attn, "_C", make_stand_in("testr._C"))  # with a backward
+    cfg = _cfg("micro_spotter.yaml")
+    mapper = DatasetMapperWithBasis(cfg, is_train=True)
+    batch = [mapper(text_record(5, i, size=(160, 224))) for i in (3, 4)]
+    for where, reaches_encoder in (("memory", True), ("projected", False)):
+        torch.manual_seed(0)
+        model = _model(cfg).train()
+        names = set(dict(model.named_parameters()))
+        glyphs = pretrain_glyphs.GlyphLoss(model, 2.0, where)
+        losses = model(batch)
+        assert set(dict(model.named_parameters())) == names and float(losses["loss_glyphs"].detach()) > 0
+        losses["loss_glyphs"].backward()
+        grad = {n: p.grad for n, p in model.named_parameters()}
+        assert grad["testr.input_proj.0.0.weight"].abs().sum() > 0 and glyphs.head.weight.grad.abs().sum() > 0
+        assert all(g is None or g.abs().sum() == 0 for n, g in grad.items() if "decoder" in n)
+        encoder = [g for n, g in grad.items() if ".encoder." in n]
+        assert any(g is not None and g.abs().sum() > 0 for g in encoder) == reaches_encoder
+        model.eval()
+        with torch.no_grad():
+            assert "loss_glyphs" not in model([batch[0]])[0]

@@ -58,6 +58,68 @@ def centres(instances, voc_size: int, chars: list[str]):
     return torch.as_tensor(np.concatenate(points), dtype=torch.float32), torch.as_tensor(ids)
 
 
+def read_glyphs(head, fmap, padded_wh, batch, voc_size: int, chars: list[str]):
+    """`head`'s logits [n, voc_size] on `fmap` (B, C, h, w: a map spanning the padded pictures, `padded_wh` pixels)
+    at every character centre of `batch` (mapped records), and their labels [n]."""
+    import torch
+    import torch.nn.functional as F
+
+    scale = fmap.new_tensor([float(padded_wh[0]), float(padded_wh[1])])
+    logits, labels = [], []
+    for b, record in enumerate(batch):
+        points, ids = centres(record["instances"], voc_size, chars)
+        if not len(ids):
+            continue
+        grid = points.to(fmap.device) / scale * 2 - 1  # align_corners=False: the map spans the padded picture's edges
+        sampled = F.grid_sample(fmap[b:b + 1], grid[None, None].to(fmap.dtype), align_corners=False)[0, :, 0].T
+        logits.append(head(sampled))
+        labels.append(ids.to(fmap.device))
+    if not logits:
+        return fmap.new_zeros(0, voc_size), torch.zeros(0, dtype=torch.long, device=fmap.device)
+    return torch.cat(logits), torch.cat(labels)
+
+
+class GlyphLoss:
+    """Keeps the spotter's features reading characters while it trains: a linear classifier (`head`, whose parameters
+    the caller adds to its optimizer) reads each character at its glyph's centre from the finest level of the
+    encoder's memory (`where="memory"`: what the text queries sample) or of the projected maps, and its cross-entropy
+    times `weight` joins the training losses as "loss_glyphs". Measured: 1,017 spotter steps from pretrained weights
+    without it took a linear probe of the memory from 30.1% to 23.9% of characters, of the projected map from 49.3% to
+    41.6% — the spotter's own losses wear the characters out of its features."""
+
+    def __init__(self, model, weight: float, where: str = "memory"):
+        import torch
+
+        from d2export.charset import charset
+
+        self.weight, self.where, self.voc_size = weight, where, int(model.testr.voc_size)
+        self.chars = charset(self.voc_size)
+        proj = model.testr.input_proj
+        self.head = torch.nn.Linear(proj[0][0].out_channels, self.voc_size).to(model.device)
+        seen = {}
+        self.hooks = [
+            model.testr.backbone.register_forward_pre_hook(lambda m, a: seen.__setitem__("padded", a[0].tensor.shape)),
+            proj[0].register_forward_hook(lambda m, i, o: seen.__setitem__("map", o)),
+            model.testr.transformer.encoder.register_forward_hook(lambda m, i, o: seen.__setitem__("memory", o))]
+        forward = model.forward
+
+        def with_glyphs(batched_inputs):
+            losses = forward(batched_inputs)
+            if model.training:
+                fmap = seen["map"]
+                if where == "memory":  # [B, tokens, C], the levels flattened one after the other, the finest first
+                    b, c, h, w = fmap.shape
+                    fmap = seen["memory"][:, :h * w].transpose(1, 2).reshape(b, c, h, w)
+                padded_h, padded_w = seen["padded"][-2:]
+                logits, labels = read_glyphs(self.head, fmap, (padded_w, padded_h), batched_inputs, self.voc_size,
+                                             self.chars)
+                loss = torch.nn.functional.cross_entropy(logits, labels) if len(labels) else fmap.sum() * 0
+                losses["loss_glyphs"] = loss * self.weight
+            return losses
+
+        model.forward = with_glyphs
+
+
 class GlyphReader:
     """The backbone's stem, res2 and res3 and a linear classifier at character centres of a batch of mapped
     records."""
@@ -90,20 +152,7 @@ class GlyphReader:
         h, w = -(-h // 32) * 32, -(-w // 32) * 32
         x = torch.stack([F.pad(i, (0, w - i.shape[-1], 0, h - i.shape[-2])) for i in images])
         r = self.resnet
-        fmap = r.res3(r.res2(r.stem(x)))
-        scale = fmap.new_tensor([w, h])
-        logits, labels = [], []
-        for b, record in enumerate(batch):
-            points, ids = centres(record["instances"], self.voc_size, self.chars)
-            if not len(ids):
-                continue
-            grid = points.to(device) / scale * 2 - 1  # align_corners=False: the map spans the padded picture's edges
-            sampled = F.grid_sample(fmap[b:b + 1], grid[None, None], align_corners=False)[0, :, 0].T
-            logits.append(self.head(sampled))
-            labels.append(ids.to(device))
-        if not logits:
-            return fmap.new_zeros(0, self.voc_size), torch.zeros(0, dtype=torch.long, device=device)
-        return torch.cat(logits), torch.cat(labels)
+        return read_glyphs(self.head, r.res3(r.res2(r.stem(x))), (w, h), batch, self.voc_size, self.chars)
 
     def accuracy(self, records, mapper) -> float:
         import torch

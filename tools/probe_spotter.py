@@ -140,6 +140,9 @@ def main(argv=None) -> int:
     ap.add_argument("--true-refs", action="store_true", help="the words' true boxes as the decoder's references")
     ap.add_argument("--text-finest", action="store_true",
                     help="the text queries start attending the finest level only (text_reads_the_finest_level)")
+    ap.add_argument("--glyph-weight", type=float, default=0.0,
+                    help="a linear classifier reads each glyph from the memory while it trains (pretrain_glyphs.GlyphLoss)")
+    ap.add_argument("--glyph-where", choices=["memory", "projected"], default="memory")
     ap.add_argument("--eval-count", type=int, default=0,
                     help="at the end, the text evaluator on this many validation pictures (seed 2; 0: none)")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
@@ -182,7 +185,13 @@ def main(argv=None) -> int:
     if args.text_finest:
         text_reads_the_finest_level(model)
     optimizer, mapper = build_optimizer(cfg, model), DatasetMapperWithBasis(cfg, is_train=True)
-    scheduler = build_lr_scheduler(cfg, optimizer)
+    if args.glyph_weight:
+        from pretrain_glyphs import GlyphLoss
+
+        glyphs = GlyphLoss(model, args.glyph_weight, args.glyph_where)
+        optimizer.add_param_group({"params": list(glyphs.head.parameters()), "lr": cfg.SOLVER.BASE_LR,
+                                   "weight_decay": cfg.SOLVER.WEIGHT_DECAY})
+    scheduler = build_lr_scheduler(cfg, optimizer)  # after every group: the schedule scales each
     truth = with_true_references(model) if args.true_refs else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +202,7 @@ def main(argv=None) -> int:
             losses = train_step(model, optimizer, next(stream), clip)
             scheduler.step()
             step += 1
-            for k in ("total", "loss_texts", "loss_ctrl_points", "loss_ce", "loss_char_centres"):
+            for k in ("total", "loss_texts", "loss_ctrl_points", "loss_ce", "loss_char_centres", "loss_glyphs"):
                 if k in losses:
                     sums[k] = sums.get(k, 0.0) + losses[k]
             if step % 50 == 0:
