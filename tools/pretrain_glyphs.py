@@ -119,6 +119,12 @@ class GlyphLoss:
 
         model.forward = with_glyphs
 
+    def join(self, optimizer, cfg) -> None:
+        """The classifier learns at the spotter's base rate (add it before the schedule is built: it scales every
+        group)."""
+        optimizer.add_param_group({"params": list(self.head.parameters()), "lr": cfg.SOLVER.BASE_LR,
+                                   "weight_decay": cfg.SOLVER.WEIGHT_DECAY})
+
 
 class GlyphReader:
     """The backbone's stem, res2 and res3 and a linear classifier at character centres of a batch of mapped

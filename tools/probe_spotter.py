@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     ap.add_argument("--text-finest", action="store_true",
                     help="the text queries start attending the finest level only (text_reads_the_finest_level)")
     ap.add_argument("--glyph-weight", type=float, default=0.0,
-                    help="a linear classifier reads each glyph from the memory while it trains (pretrain_glyphs.GlyphLoss)")
+                    help="a linear classifier reads each glyph while the spotter trains (pretrain_glyphs.GlyphLoss)")
     ap.add_argument("--glyph-where", choices=["memory", "projected"], default="memory")
     ap.add_argument("--eval-count", type=int, default=0,
                     help="at the end, the text evaluator on this many validation pictures (seed 2; 0: none)")
@@ -188,10 +188,8 @@ def main(argv=None) -> int:
     if args.glyph_weight:
         from pretrain_glyphs import GlyphLoss
 
-        glyphs = GlyphLoss(model, args.glyph_weight, args.glyph_where)
-        optimizer.add_param_group({"params": list(glyphs.head.parameters()), "lr": cfg.SOLVER.BASE_LR,
-                                   "weight_decay": cfg.SOLVER.WEIGHT_DECAY})
-    scheduler = build_lr_scheduler(cfg, optimizer)  # after every group: the schedule scales each
+        GlyphLoss(model, args.glyph_weight, args.glyph_where).join(optimizer, cfg)
+    scheduler = build_lr_scheduler(cfg, optimizer)
     truth = with_true_references(model) if args.true_refs else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,9 @@ def main(argv=None) -> int:
                     "their record (.json) with the held-out scores")
     ap.add_argument("--final-seed", type=int, default=1, help="seed of the held-out pictures --fixture scores")
     ap.add_argument("--final-count", type=int, default=200, help="held-out pictures --fixture scores")
+    ap.add_argument("--glyph-weight", type=float, default=0.0,
+                    help="a linear classifier reads each glyph from the encoder's memory while the spotter trains, its "
+                         "loss at this weight (tools/pretrain_glyphs.py's GlyphLoss; 0: none)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (cuda where torch sees a GPU): the op's "
                     "stand-in runs there with its backward")
@@ -165,8 +168,16 @@ def main(argv=None) -> int:
 
     model = build_model(cfg)
     optimizer = build_optimizer(cfg, model)
+    glyphs = None
+    if args.glyph_weight:
+        from pretrain_glyphs import GlyphLoss
+
+        glyphs = GlyphLoss(model, args.glyph_weight)
+        glyphs.join(optimizer, cfg)
     last = out / "last.pth"
     start = load_checkpoint(last, model, optimizer) if last.is_file() else 0
+    if glyphs and start:
+        glyphs.head.load_state_dict(torch.load(last, map_location="cpu", weights_only=False)["glyph_head"])
     if args.init and not start:
         load_checkpoint(Path(args.init), model)  # weights only: the optimizer and the schedule start anew
     lineage = init_lineage(Path(args.init)) if args.init else None  # read now: --fixture may overwrite it
@@ -213,7 +224,8 @@ def main(argv=None) -> int:
             best = max(row["sweep"], key=row["sweep"].get)
             bar.write(f"iter {it + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["eval"].items())
                       + f"; best det_hmean {row['sweep'][best]:.1f} at score threshold {best}")
-            save_checkpoint(last, model, optimizer, it + 1)
+            extra = {"glyph_head": glyphs.head.state_dict()} if glyphs else {}
+            save_checkpoint(last, model, optimizer, it + 1, **extra)
             save_weights_fp16(out / f"model_{it + 1:06d}_fp16.pth", model, it + 1)
         log.write(json.dumps(row) + "\n")
         log.flush()
