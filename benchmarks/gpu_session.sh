@@ -20,8 +20,9 @@
 #           `d2export evaluate` on the held-out set before it may become the fixture (tools/train_spotter.py --fixture)
 #   recipe PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]: (carry .gpu; one call) issue 52's two steps on the GPU:
 #           tools/pretrain_glyphs.py teaches the fixture's stem-res3 characters (batch 32), then train_spotter.py
-#           goes on from those weights with the text slots on their shares of the box; back under $OUT: both curves,
-#           the pretraining's record, the feature probe of its weights and the last float16 spotter (7.5 MB)
+#           goes on from those weights with the text slots on their shares of the box and the glyph classifier kept
+#           on the encoder's memory (--glyph-weight 1: half the wear of its features on a CPU probe); back under
+#           $OUT: both curves, the pretraining's record, the feature probe of its weights, the last float16 spotter
 set -uo pipefail
 W=/tmp/work
 mkdir -p $W /tmp/stash /tmp/site
@@ -125,7 +126,7 @@ recipe)  # (carry .gpu) PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]
     | tee "$OUT/glyphs_probe.log"
   in_repo python3 tools/train_spotter.py --device cuda --threads 4 --workers 12 --out $W/spotter \
     --config third_party/testr/configs/micro_spotter.yaml --init $W/glyphs/model.pth \
-    --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "${3:-5}" --eval-every 1000 --batch 16 \
+    --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "${3:-5}" --eval-every 1000 --batch 16 --glyph-weight 1 \
     SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4 MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True "${@:4}" 2>&1 \
     | grep -v "it/s\]$" | tail -n 30
   cp $W/spotter/metrics.jsonl "$OUT/" && cp "$(ls $W/spotter/model_*_fp16.pth | tail -n 1)" "$OUT/"
