@@ -352,3 +352,30 @@ def test_train_spotter_refuses_a_device_torch_does_not_see():
         done = subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--device", device, "--out",
                                "/nonexistent/never_made"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and re.search(says, done.stderr), done.stderr
+
+
+def test_the_glyph_loss_resumes_with_its_classifier_and_a_run_without_it_is_refused(tmp_path):
+    """tools/train_spotter.py --glyph-weight logs the glyph loss every step, keeps its classifier in last.pth and goes
+    on from it; resuming such a run without the flag (its optimizer holds the classifier's group) is refused in one
+    line, and the float16 weights have no classifier (what serves has none)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    repo = Path(__file__).resolve().parent.parent
+    small = ["--out", str(tmp_path), "--train-count", "2", "--eval-count", "1", "--eval-every", "100", "--size",
+             "128x160", "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1"]
+    script = str(repo / "tools" / "train_spotter.py")
+    for iters in ("1", "2"):
+        subprocess.run([sys.executable, script, "--iters", iters, "--glyph-weight", "1", *small], check=True,
+                       capture_output=True, timeout=300)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in rows] == [1, 2] and all(r["loss_glyphs"] > 0 for r in rows)
+    assert set(torch.load(tmp_path / "last.pth", weights_only=False)["glyph_head"]) == {"weight", "bias"}
+    weights = torch.load(tmp_path / "model_000002_fp16.pth", weights_only=False)["model"]
+    assert not any("glyph" in k or "char_centre" in k for k in weights)
+    done = subprocess.run([sys.executable, script, "--iters", "3", *small], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2 and "was trained with --glyph-weight" in done.stderr, done.stderr

@@ -92,7 +92,7 @@ class GlyphLoss:
 
         from d2export.charset import charset
 
-        self.weight, self.where, self.voc_size = weight, where, int(model.testr.voc_size)
+        self.voc_size = int(model.testr.voc_size)
         self.chars = charset(self.voc_size)
         proj = model.testr.input_proj
         self.head = torch.nn.Linear(proj[0][0].out_channels, self.voc_size).to(model.device)
@@ -114,7 +114,7 @@ class GlyphLoss:
                 logits, labels = read_glyphs(self.head, fmap, (padded_w, padded_h), batched_inputs, self.voc_size,
                                              self.chars)
                 loss = torch.nn.functional.cross_entropy(logits, labels) if len(labels) else fmap.sum() * 0
-                losses["loss_glyphs"] = loss * self.weight
+                losses["loss_glyphs"] = loss * weight
             return losses
 
         model.forward = with_glyphs

@@ -175,9 +175,14 @@ def main(argv=None) -> int:
         glyphs = GlyphLoss(model, args.glyph_weight)
         glyphs.join(optimizer, cfg)
     last = out / "last.pth"
-    start = load_checkpoint(last, model, optimizer) if last.is_file() else 0
+    state = torch.load(last, map_location="cpu", weights_only=False) if last.is_file() else {}
+    if state and bool(glyphs) != ("glyph_head" in state):  # its optimizer has (or lacks) the classifier's group
+        ap.error(f"{last} was trained {'without' if glyphs else 'with'} --glyph-weight: resume it the same way "
+                 "or start a new --out")
+    start = load_checkpoint(last, model, optimizer) if state else 0
     if glyphs and start:
-        glyphs.head.load_state_dict(torch.load(last, map_location="cpu", weights_only=False)["glyph_head"])
+        glyphs.head.load_state_dict(state["glyph_head"])
+    del state
     if args.init and not start:
         load_checkpoint(Path(args.init), model)  # weights only: the optimizer and the schedule start anew
     lineage = init_lineage(Path(args.init)) if args.init else None  # read now: --fixture may overwrite it
