@@ -32,6 +32,15 @@ SP=$(python3 -c "import site; print(site.getsitepackages()[0])")
 export LD_LIBRARY_PATH=$(find "$SP/nvidia" -name 'lib*.so*' -printf '%h\n' 2>/dev/null | sort -u | paste -sd:)
 refresh_repo() { rm -rf $W/repo && mkdir -p $W/repo && tar --exclude='./.gpu*' -cf - . | tar -xf - -C $W/repo; }
 in_repo() { (cd $W/repo && PYTHONPATH=$W/repo:/tmp/ortsite:/tmp/site "$@"); }
+train_on_gpu() {  # INIT MINUTES [ARGS ...]: the micro spotter trained on the GPU from INIT; its curve and last
+  # float16 weights (7.5 MB) come back under $OUT. The pictures are drawn on the fly by 12 of the 16 cores (an endless
+  # stream); torch keeps 4 for the step's host work
+  in_repo python3 tools/train_spotter.py --device cuda --threads 4 --workers 12 --out $W/spotter \
+    --config third_party/testr/configs/micro_spotter.yaml --init "$1" \
+    --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "$2" --eval-every 1000 "${@:3}" 2>&1 \
+    | grep -v "it/s\]$" | tail -n 30
+  cp $W/spotter/metrics.jsonl "$OUT/" && cp "$(ls $W/spotter/model_*_fp16.pth | tail -n 1)" "$OUT/"
+}
 install_site() {  # the carried dependencies (.gpu/whl, .gpu/site) into /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl \
     && cp -r .gpu/site/. /tmp/site/
@@ -110,12 +119,7 @@ run)
 train)  # (carry .gpu) MINUTES [KEY VALUE ...]: issue 42's unblock — the micro spotter warm-started from the fixture,
         # trained on the GPU; its last float16 weights and its curve come back under $OUT (7.5 MB)
   install_site && refresh_repo || exit 1
-  # the pictures are drawn on the fly by 12 of the 16 cores (an endless stream); torch keeps 4 for the step's host work
-  in_repo python3 tools/train_spotter.py --device cuda --threads 4 --workers 12 --out $W/spotter \
-    --config third_party/testr/configs/micro_spotter.yaml --init tests/data/spotter_fixture.pth \
-    --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "${2:-6}" --eval-every 1000 "${@:3}" 2>&1 \
-    | grep -v "it/s\]$" | tail -n 30
-  cp $W/spotter/metrics.jsonl "$OUT/" && cp "$(ls $W/spotter/model_*_fp16.pth | tail -n 1)" "$OUT/"
+  train_on_gpu tests/data/spotter_fixture.pth "${2:-6}" "${@:3}"
   ;;
 recipe)  # (carry .gpu) PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]
   install_site && refresh_repo || exit 1
@@ -124,12 +128,8 @@ recipe)  # (carry .gpu) PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]
   cp $W/glyphs/metrics.jsonl "$OUT/glyphs_metrics.jsonl"; cp $W/glyphs/model.json "$OUT/glyphs_model.json"
   in_repo python3 tools/probe_features.py --weights $W/glyphs/model.pth --where memory --threads 8 2>&1 | tail -n 3 \
     | tee "$OUT/glyphs_probe.log"
-  in_repo python3 tools/train_spotter.py --device cuda --threads 4 --workers 12 --out $W/spotter \
-    --config third_party/testr/configs/micro_spotter.yaml --init $W/glyphs/model.pth \
-    --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "${3:-5}" --eval-every 1000 --batch 16 --glyph-weight 1 \
-    SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4 MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True "${@:4}" 2>&1 \
-    | grep -v "it/s\]$" | tail -n 30
-  cp $W/spotter/metrics.jsonl "$OUT/" && cp "$(ls $W/spotter/model_*_fp16.pth | tail -n 1)" "$OUT/"
+  train_on_gpu $W/glyphs/model.pth "${3:-5}" --batch 16 --glyph-weight 1 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4 \
+    MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True "${@:4}"
   ;;
 *) echo "usage: $0 pack DIR | prep | stash N | run | train MINUTES [KEY VALUE ...] | recipe MIN MIN [KEY VALUE ...]" >&2
    exit 2 ;;

@@ -175,7 +175,8 @@ def main(argv=None) -> int:
         glyphs = GlyphLoss(model, args.glyph_weight)
         glyphs.join(optimizer, cfg)
     last = out / "last.pth"
-    state = torch.load(last, map_location="cpu", weights_only=False) if last.is_file() else {}
+    # memory-mapped: only its keys and the classifier are read here; load_checkpoint reads the rest
+    state = torch.load(last, map_location="cpu", weights_only=False, mmap=True) if last.is_file() else {}
     if state and bool(glyphs) != ("glyph_head" in state):  # its optimizer has (or lacks) the classifier's group
         ap.error(f"{last} was trained {'without' if glyphs else 'with'} --glyph-weight: resume it the same way "
                  "or start a new --out")
