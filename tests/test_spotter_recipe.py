@@ -471,3 +471,51 @@ def test_the_glyph_loss_trains_the_encoder_and_the_backbone_under_the_spotter(mo
         model.eval()
         with torch.no_grad():
             assert "loss_glyphs" not in model([batch[0]])[0]
+
+
+def test_the_decoder_probe_reads_what_the_spotter_reads_at_the_true_boxes(tmp_path):
+    """tools/probe_decoder.py caches what the decoder samples and runs the decoder alone on it, each word's query
+    referenced at its true box: its character logits equal the whole spotter's when the spotter's decoder is handed
+    the same boxes, its other queries the probe's spare box (two pictures at once, a random model); read from the
+    projected maps instead, they differ."""
+    import sys
+
+    from d2export.datasets import generate, register
+    from detectron2.data import DatasetCatalog
+    from testr.data import DatasetMapperWithBasis
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import probe_decoder
+
+    generate("text", tmp_path / "pics", count=2, seed=5, size=(320, 320))
+    register("probe_decoder_test", tmp_path / "pics")
+    records = DatasetCatalog.get("probe_decoder_test")
+    cfg = _cfg("micro_spotter.yaml", "MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES", "True")
+    model = _model(cfg).eval()
+    mapper = DatasetMapperWithBasis(cfg, is_train=True)
+    mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation
+    data = probe_decoder.cache(model, mapper, records, half=False)
+    with torch.no_grad():
+        queries = model.testr.num_proposals
+        logits, held = probe_decoder.text_logits(model, data, [0, 1], "memory", queries)
+        projected, _ = probe_decoder.text_logits(model, data, [0, 1], "projected", queries)
+    assert held.sum() == sum(len(b) for b in data["boxes"]) > 2
+
+    boxes = {}
+
+    def true_boxes(decoder, args):  # the first n queries' references become the picture's n words' boxes
+        refs = torch.tensor(probe_decoder.SPARE_BOX).repeat(*args[2].shape[:2], 1)
+        refs[0, :len(boxes["now"])] = boxes["now"]
+        return (args[0], args[1], refs, *args[3:])
+
+    hook = model.testr.transformer.decoder.register_forward_pre_hook(true_boxes)
+    try:
+        for b, record in enumerate(records):
+            item = mapper(record)
+            boxes["now"] = data["boxes"][b]
+            with torch.no_grad():
+                whole = model.testr(model.preprocess_image([item]))["pred_texts"][0, :len(data["boxes"][b])]
+            torch.testing.assert_close(logits[-1, b, :len(data["boxes"][b])], whole, atol=1e-4, rtol=1e-4)
+            assert not torch.allclose(projected[-1, b, :len(data["boxes"][b])], whole, atol=1e-2)
+    finally:
+        hook.remove()

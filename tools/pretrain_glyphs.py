@@ -196,20 +196,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
+    from train_spotter import init_lineage, machine, spotter_cfg
 
-    from d2export.patching import compiled_ops
-
-    compiled_ops.install(["testr._C"])
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    import testr  # noqa: F401 - registers TransformerDetector
+    cfg = spotter_cfg(args.config, args.overrides, args.threads)
     from detectron2.modeling import build_model
-    from testr.config import get_cfg
     from testr.data import DatasetMapperWithBasis
     from testr.data.stream import stream
     from testr.train import _atomic_save, load_checkpoint, save_weights_fp16
-
-    from train_spotter import init_lineage, machine
 
     from d2export.building import UserError, resolve_device
     from d2export.datasets import generate, register
@@ -217,9 +210,6 @@ def main(argv=None) -> int:
     from d2export.datasets.synth import parse_size
     from detectron2.data import DatasetCatalog
 
-    cfg = get_cfg()
-    cfg.merge_from_file(args.config)
-    cfg.merge_from_list(args.overrides)
     try:
         cfg.MODEL.DEVICE = resolve_device(args.device, option="--device ")
     except UserError as e:

@@ -108,25 +108,17 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
 
-    import torch
+    from train_spotter import spotter_cfg
 
-    from d2export.patching import compiled_ops
-
-    compiled_ops.install(["testr._C"])
-    torch.set_num_threads(args.threads)
-    import testr  # noqa: F401 - registers TransformerDetector
+    cfg = spotter_cfg(args.config, args.overrides, args.threads)
+    cfg.MODEL.DEVICE = "cpu"
     from detectron2.data import DatasetCatalog
     from detectron2.modeling import build_model
-    from testr.config import get_cfg
     from testr.data import DatasetMapperWithBasis
     from testr.train import load_checkpoint
 
     from d2export.datasets import generate, register
 
-    cfg = get_cfg()
-    cfg.merge_from_file(args.config)
-    cfg.merge_from_list(args.overrides)
-    cfg.MODEL.DEVICE = "cpu"
     for name, folder, seed, count in (("features_train", args.train, 0, 1000), ("features_test", args.test, 2, 100)):
         if not (Path(folder) / "annotations.json").is_file():
             generate("text", Path(folder), count=count, seed=seed, size=(320, 320))

@@ -149,31 +149,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import numpy as np
-    import torch
+    from train_spotter import batches, spotter_cfg
 
-    from d2export.patching import compiled_ops
-
-    compiled_ops.install(["testr._C"])
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    cfg = spotter_cfg(args.config, args.overrides, args.threads)
+    cfg.MODEL.DEVICE = "cpu"
     random.seed(0)
     np.random.seed(0)  # detectron2's augmentations (the training sizes) draw from numpy's global generator
-    import testr  # noqa: F401 - registers TransformerDetector
     from detectron2.data import DatasetCatalog
     from detectron2.modeling import build_model
     from detectron2.solver import build_lr_scheduler
-    from testr.config import get_cfg
     from testr.data import DatasetMapperWithBasis
     from testr.train import build_optimizer, load_checkpoint, train_step
-    from train_spotter import batches
 
     from d2export.datasets import generate, register
     from d2export.datasets.synth import parse_size
 
-    cfg = get_cfg()
-    cfg.merge_from_file(args.config)
-    cfg.merge_from_list(args.overrides)
-    cfg.MODEL.DEVICE = "cpu"
     data = Path(args.data)
     if not (data / "annotations.json").is_file():
         generate("text", data, count=args.count, seed=0, size=parse_size(args.size))

@@ -48,6 +48,25 @@ def batches(records, mapper, size, seed, start):
 SWEEP = (0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)
 
 
+def spotter_cfg(config: str, overrides: list[str], threads: int, seed: int = 0):
+    """The TESTR stand-in as every spotter tool runs it: TESTR's CUDA op stood in for (on any device, with a
+    backward), `threads` CPU threads, torch seeded, the model registered; returns `config` with `overrides`."""
+    import torch
+
+    from d2export.patching import compiled_ops
+
+    compiled_ops.install(["testr._C"])
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    import testr  # noqa: F401 - registers TransformerDetector
+    from testr.config import get_cfg
+
+    cfg = get_cfg()
+    cfg.merge_from_file(config)
+    cfg.merge_from_list(overrides)
+    return cfg
+
+
 def reading(cfg) -> dict:
     """How the evaluator reads the model's character slots (a manifest's `charset` and `text_decoding`)."""
     from d2export.charset import charset
@@ -116,9 +135,7 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from d2export.patching import compiled_ops
-
-    compiled_ops.install(["testr._C"])  # TESTR's CUDA op, on any device, with a backward
+    cfg = spotter_cfg(args.config, args.overrides, args.threads, args.seed)
     if args.device != "cpu":
         from d2export.building import UserError, resolve_device
         from d2export.config import DEVICE_NAMES
@@ -129,23 +146,16 @@ def main(argv=None) -> int:
             args.device = resolve_device(args.device, option="--device ")
         except UserError as e:
             ap.error(str(e))
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)  # detectron2's augmentations (the training sizes) draw from numpy's global generator
-    import testr  # noqa: F401 - registers TransformerDetector
     from detectron2.modeling import build_model
     from detectron2.solver import build_lr_scheduler
-    from testr.config import get_cfg
     from testr.data import DatasetMapperWithBasis
     from testr.train import build_optimizer, load_checkpoint, save_checkpoint, save_weights_fp16, train_step
 
     from d2export.datasets import generate, register
     from d2export.datasets.synth import parse_size
 
-    cfg = get_cfg()
-    cfg.merge_from_file(args.config)
-    cfg.merge_from_list(args.overrides)
     cfg.MODEL.DEVICE = args.device
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
