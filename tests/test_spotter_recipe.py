@@ -473,11 +473,12 @@ def test_the_glyph_loss_trains_the_encoder_and_the_backbone_under_the_spotter(mo
             assert "loss_glyphs" not in model([batch[0]])[0]
 
 
-def test_the_decoder_probe_reads_what_the_spotter_reads_at_the_true_boxes(tmp_path):
-    """tools/probe_decoder.py caches what the decoder samples and runs the decoder alone on it, each word's query
-    referenced at its true box: its character logits equal the whole spotter's when the spotter's decoder is handed
-    the same boxes, its other queries the probe's spare box (two pictures at once, a random model); read from the
-    projected maps instead, they differ."""
+def test_the_decoder_probe_reads_what_the_spotter_reads(tmp_path):
+    """tools/probe_decoder.py caches what the decoder samples and runs the decoder alone on it (its location branch on
+    one control point, unused): at the model's own references its character logits equal the whole spotter's, every
+    word read by one query; at the true boxes they equal the spotter's when its decoder is handed the same boxes, its
+    other queries the probe's spare box (two pictures at once, a random model). Read from the projected maps
+    instead, they differ."""
     import sys
 
     from d2export.datasets import generate, register
@@ -495,11 +496,14 @@ def test_the_decoder_probe_reads_what_the_spotter_reads_at_the_true_boxes(tmp_pa
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation
     data = probe_decoder.cache(model, mapper, records, half=False)
+    queries = model.testr.num_proposals
     with torch.no_grad():
-        queries = model.testr.num_proposals
-        logits, held = probe_decoder.text_logits(model, data, [0, 1], "memory", queries)
+        logits, reads = probe_decoder.text_logits(model, data, [0, 1], "memory", queries)
+        own, own_reads = probe_decoder.text_logits(model, data, [0, 1], "memory", queries, "own")
         projected, _ = probe_decoder.text_logits(model, data, [0, 1], "projected", queries)
-    assert held.sum() == sum(len(b) for b in data["boxes"]) > 2
+    words = [len(b) for b in data["boxes"]]
+    assert (reads >= 0).sum() == sum(words) > 2
+    assert [sorted(r[r >= 0].tolist()) for r in own_reads] == [list(range(n)) for n in words]
 
     boxes = {}
 
@@ -508,14 +512,18 @@ def test_the_decoder_probe_reads_what_the_spotter_reads_at_the_true_boxes(tmp_pa
         refs[0, :len(boxes["now"])] = boxes["now"]
         return (args[0], args[1], refs, *args[3:])
 
-    hook = model.testr.transformer.decoder.register_forward_pre_hook(true_boxes)
-    try:
-        for b, record in enumerate(records):
-            item = mapper(record)
-            boxes["now"] = data["boxes"][b]
+    for b, record in enumerate(records):
+        item = mapper(record)
+        with torch.no_grad():
+            spotter = model.testr(model.preprocess_image([item]))["pred_texts"][0]
+        torch.testing.assert_close(own[-1, b], spotter, atol=1e-4, rtol=1e-4)
+        boxes["now"] = data["boxes"][b]
+        hook = model.testr.transformer.decoder.register_forward_pre_hook(true_boxes)
+        try:
             with torch.no_grad():
-                whole = model.testr(model.preprocess_image([item]))["pred_texts"][0, :len(data["boxes"][b])]
-            torch.testing.assert_close(logits[-1, b, :len(data["boxes"][b])], whole, atol=1e-4, rtol=1e-4)
-            assert not torch.allclose(projected[-1, b, :len(data["boxes"][b])], whole, atol=1e-2)
-    finally:
-        hook.remove()
+                whole = model.testr(model.preprocess_image([item]))["pred_texts"][0, :words[b]]
+        finally:
+            hook.remove()
+        torch.testing.assert_close(logits[-1, b, :words[b]], whole, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(projected[-1, b, :words[b]], whole, atol=1e-2)
+        assert not torch.allclose(own[-1, b, :words[b]], whole, atol=1e-2)

@@ -11,6 +11,11 @@ If the decoder reads well here, the end-to-end spotter lacks steps (a GPU gives 
 classifier at the glyphs' centres reads (`probe_features.py`), the features are the limit; if below, where the
 character slots look is.
 
+`--references own` reads as the spotter does: at the model's own references (its encoder's top proposals), each word
+by the query the training matcher gives it, every query present. Only the text branch learns then (the location
+branch's output is not used), so detection is left exactly as it was; `--eval-count` ends with the whole spotter
+through the text evaluator on validation pictures and saves its weights.
+
     python tools/probe_decoder.py --init outputs/probe57/W_glyph_loss/model.pth --out outputs/decoder/memory \\
         --minutes 30 MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True
 """
@@ -26,14 +31,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
 
 
-class _Captured(Exception):
-    """Stops the model's forward once the decoder's inputs are seen (the decoder and the heads need not run)."""
-
-
 def cache(model, mapper, records, half: bool = True) -> dict:
-    """What the decoder may sample for each of `records` (all one size) and their words: {"memory" and "projected"
-    [N, S, C] (float16 with `half`), "shapes", "starts", "ratios", "mask" (one picture's: they are the same for all), "boxes" [list
-    of (n, 4) cxcywh relative to the picture], "texts" [list of (n, T) ids]}."""
+    """What the decoder may sample for each of `records` (all one size), where it looks and what it should read:
+    {"memory" and "projected" [N, S, C] (float16 with `half`), "shapes", "starts", "ratios", "mask" (one picture's:
+    the same for all), "boxes" [per picture: its words' (n, 4) cxcywh boxes relative to the picture], "texts" [(n, T)
+    ids], "own" [(Q, 4): the model's own references, its encoder's top proposals], "matched" [(Q,): the word the
+    training matcher gives each query, -1 for none]}."""
     import torch
 
     decoder, encoder = model.testr.transformer.decoder, model.testr.transformer.encoder
@@ -43,70 +46,91 @@ def cache(model, mapper, records, half: bool = True) -> dict:
         seen["projected"] = args[0]
 
     def at_decoder(module, args):  # (tgt, tgt_text, refs, memory, shapes, starts, ratios, pos, pos_text, mask, ...)
-        seen.update(memory=args[3], shapes=args[4], starts=args[5], ratios=args[6], mask=args[9])
-        raise _Captured
+        seen.update(refs=args[2], memory=args[3], shapes=args[4], starts=args[5], ratios=args[6], mask=args[9])
 
     hooks = [encoder.register_forward_pre_hook(at_encoder), decoder.register_forward_pre_hook(at_decoder)]
-    memory, projected, boxes, texts = [], [], [], []
+    found = {k: [] for k in ("memory", "projected", "boxes", "texts", "own", "matched")}
     model.eval()
     try:
         with torch.no_grad():
             for record in records:
                 item = mapper(record)
-                try:
-                    model.testr(model.preprocess_image([item]))
-                except _Captured:
-                    pass
-                memory.append(seen["memory"][0].half() if half else seen["memory"][0])
-                projected.append(seen["projected"][0].half() if half else seen["projected"][0])
+                outputs = model.testr(model.preprocess_image([item]))
                 target = model.prepare_targets([item["instances"]])[0]
-                boxes.append(target["boxes"])
-                texts.append(target["texts"].long())
+                # the queries the spotter's own training would teach to read each word
+                (queries, words), = model.criterion.point_matcher({**outputs, "pred_references": seen["refs"]},
+                                                                  [target])
+                matched = torch.full((seen["refs"].shape[1],), -1, dtype=torch.long)
+                matched[queries] = words
+                for key in ("memory", "projected"):
+                    found[key].append(seen[key][0].half() if half else seen[key][0])
+                found["boxes"].append(target["boxes"])
+                found["texts"].append(target["texts"].long())
+                found["own"].append(seen["refs"][0])
+                found["matched"].append(matched)
     finally:
         for hook in hooks:
             hook.remove()
-    if len({f.shape for f in memory}) != 1:
+    if len({f.shape for f in found["memory"]}) != 1:
         raise SystemExit("probe_decoder: the pictures must map to one size (use square pictures of one size)")
-    return {"memory": torch.stack(memory), "projected": torch.stack(projected), "shapes": seen["shapes"], "starts": seen["starts"],
-            "ratios": seen["ratios"], "mask": seen["mask"], "boxes": boxes, "texts": texts}
+    return {**found, "memory": torch.stack(found["memory"]), "projected": torch.stack(found["projected"]),
+            **{k: seen[k] for k in ("shapes", "starts", "ratios", "mask")}}
 
 
-SPARE_BOX = (0.5, 0.5, 0.1, 0.1)  # the reference of a query beyond its picture's words
+SPARE_BOX = (0.5, 0.5, 0.1, 0.1)  # with true references, the reference of a query beyond its picture's words
 
 
-def text_logits(model, data: dict, index: list[int], source: str, queries: int = 0):
-    """Every decoder layer's character logits [L, B, Q, T, V + 1] for the pictures `index` of `data`, each word's
-    query referenced at its true box; and which queries hold a word [B, Q]. Q: `queries`, or as many as the most
-    words a picture of `index` has (the character slots of one slot index attend to each other across queries: the
-    spotter's own spare queries sit on its other proposals)."""
+def references(data: dict, i: int, which: str):
+    """Picture i's query references (Q, 4) and the word each query reads (Q,), -1 for none: `which` "true": a query
+    per word at its true box; "own": the model's own references, each word read by its matched query."""
+    import torch
+
+    if which == "own":
+        return data["own"][i], data["matched"][i]
+    n = len(data["boxes"][i])
+    return data["boxes"][i], torch.arange(n)
+
+
+def text_logits(model, data: dict, index: list[int], source: str, queries: int = 0, which: str = "true"):
+    """Every decoder layer's character logits [L, B, Q, T, V + 1] for the pictures `index` of `data` at their
+    references (`which`, see `references`), and the word each query reads [B, Q] (-1: none). Q: `queries`, or the
+    most references a picture of `index` has (the character slots of one slot index attend to each other across
+    queries: the spotter's own spare queries sit on its other proposals)."""
     import torch
 
     testr, transformer = model.testr, model.testr.transformer
-    q = queries or max(max(len(data["boxes"][i]) for i in index), 1)
+    picked = [references(data, i, which) for i in index]
+    q = queries or max(max(len(r) for r, _ in picked), 1)
     refs = torch.tensor(SPARE_BOX).repeat(len(index), q, 1)
-    held = torch.zeros(len(index), q, dtype=torch.bool)
-    for b, i in enumerate(index):
-        n = len(data["boxes"][i])
-        refs[b, :n], held[b, :n] = data["boxes"][i], True
+    reads = torch.full((len(index), q), -1, dtype=torch.long)
+    for b, (r, w) in enumerate(picked):
+        refs[b, :len(r)], reads[b, :len(w)] = r, w
     memory = data[source][index].float()
     bsz = len(index)
     unact = torch.log(refs.clamp(1e-4, 1 - 1e-4) / (1 - refs.clamp(1e-4, 1 - 1e-4)))
     query_pos = transformer.pos_trans_norm(transformer.pos_trans(transformer.get_proposal_pos_embed(unact)))
-    n_ctrl, n_chars = testr.num_ctrl_points, testr.max_text_len
-    query_embed = testr.ctrl_point_embed.weight[None, None].expand(bsz, q, -1, -1)
-    query_pos = query_pos[:, :, None].expand(-1, -1, n_ctrl, -1)
+    # the location branch runs on one control point: its output is not used, and the text branch never reads it
+    query_embed = testr.ctrl_point_embed.weight[None, None, :1].expand(bsz, q, -1, -1)
+    query_pos = query_pos[:, :, None]
     text_embed = testr.text_embed.weight[None, None].expand(bsz, q, -1, -1)
     text_pos = testr.text_pos_embed(testr.text_embed.weight)[None].expand(q, -1, -1)
     _, hs_text, _ = transformer.decoder(
         query_embed, text_embed, refs, memory, data["shapes"], data["starts"], data["ratios"].expand(bsz, -1, -1),
         query_pos, text_pos, data["mask"].expand(bsz, -1), None)
-    assert hs_text.shape[-2] == n_chars
-    return testr.text_class(hs_text), held
+    assert hs_text.shape[-2] == testr.max_text_len
+    return testr.text_class(hs_text), reads
 
 
-def score(model, data: dict, source: str, post: dict, batch: int = 16) -> dict:
-    """Reads every word of `data` at its true box: character accuracy and words read (as the text evaluator counts
-    matched words), in percent."""
+def targets_of(data: dict, index: list[int], reads):
+    """The transcriptions [n, T] the queries that read a word (`reads` >= 0, in batch then query order) should give."""
+    import torch
+
+    return torch.cat([data["texts"][i][reads[b][reads[b] >= 0]] for b, i in enumerate(index)])
+
+
+def score(model, data: dict, source: str, post: dict, which: str = "true", batch: int = 16) -> dict:
+    """Reads the words of `data` at their references (`which`): character accuracy and words read (as the text
+    evaluator counts matched words), in percent."""
     import torch
 
     from d2export.charset import decode
@@ -119,12 +143,12 @@ def score(model, data: dict, source: str, post: dict, batch: int = 16) -> dict:
     with torch.no_grad():
         for start in range(0, len(data["boxes"]), batch):
             index = list(range(start, min(start + batch, len(data["boxes"]))))
-            logits, held = text_logits(model, data, index, source)
+            logits, reads = text_logits(model, data, index, source, which=which)
             ids = logits[-1].argmax(-1)
             for b, i in enumerate(index):
-                for w, truth_ids in enumerate(data["texts"][i].tolist()):
-                    truth = decode(truth_ids, chars)
-                    read = decode(ids[b, w].tolist(), chars, ctc=ctc)
+                for query in (reads[b] >= 0).nonzero()[:, 0].tolist():
+                    truth = decode(data["texts"][i][reads[b, query]].tolist(), chars)
+                    read = decode(ids[b, query].tolist(), chars, ctc=ctc)
                     total += len(truth)
                     errors += min(edits(read.lower(), truth.lower()), len(truth))
                     words += 1
@@ -139,6 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="log.jsonl and result.json go here")
     ap.add_argument("--config", default=str(REPO / "third_party/testr/configs/micro_spotter.yaml"))
     ap.add_argument("--source", choices=["memory", "projected"], default="memory")
+    ap.add_argument("--references", choices=["true", "own"], default="true",
+                    help="each word's true box, or the model's own references (its encoder's top proposals), each word"
+                         " read by the query its training matcher gives it — as the spotter reads")
     ap.add_argument("--data", default="outputs/probe/data", help="training pictures (seed 0, made if absent)")
     ap.add_argument("--count", type=int, default=1000)
     ap.add_argument("--cache", default="", help="the features of both sets, kept here (read if there: probes that\
@@ -150,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="or stop after this many steps (0: only --minutes)")
     ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--threads", type=int, default=1, help="1: two probes side by side on 2 cores")
+    ap.add_argument("--eval-count", type=int, default=0,
+                    help="at the end, the whole spotter (its text branch as trained here) through the text evaluator on"
+                         " this many pictures of --validation, and its weights saved (model.pth)")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
 
@@ -169,17 +199,18 @@ def main(argv=None) -> int:
     load_checkpoint(Path(args.init), model)
     mapper = DatasetMapperWithBasis(cfg, is_train=True)  # keeps the annotations ...
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # ... at the test size
-    key = {"init": str(Path(args.init).resolve()), "data": str(Path(args.data).resolve()), "count": args.count,
+    key = {"format": 2, "init": str(Path(args.init).resolve()), "data": str(Path(args.data).resolve()), "count": args.count,
            "overrides": args.overrides}
+    counts = {"train": args.count, "validation": 100}
+    for name, folder, seed in (("train", args.data, 0), ("validation", args.validation, 2)):
+        if not (Path(folder) / "annotations.json").is_file():
+            generate("text", Path(folder), count=counts[name], seed=seed, size=(320, 320))
+        register(f"decoder_{name}", Path(folder))
     if args.cache and Path(args.cache).is_file() and torch.load(args.cache, mmap=True)["key"] == key:
         sets = torch.load(args.cache, mmap=True)["sets"]
     else:
         sets = {}
-        for name, folder, seed, count in (("train", args.data, 0, args.count),
-                                          ("validation", args.validation, 2, 100)):
-            if not (Path(folder) / "annotations.json").is_file():
-                generate("text", Path(folder), count=count, seed=seed, size=(320, 320))
-            register(f"decoder_{name}", Path(folder))
+        for name, count in counts.items():
             records = DatasetCatalog.get(f"decoder_{name}")[:count]
             started = time.time()
             sets[name] = cache(model, mapper, records)
@@ -200,12 +231,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     n, generator = len(sets["train"]["boxes"]), torch.Generator().manual_seed(0)
-    train_view = {**sets["train"], "boxes": sets["train"]["boxes"][:100], "texts": sets["train"]["texts"][:100]}
+    train_view = {k: v[:100] if isinstance(v, list) else v for k, v in sets["train"].items()}
 
     def evaluation(step, loss):
         row = {"step": step, "seconds": round(time.time() - started), "loss_texts": loss,
-               "train": score(model, train_view, args.source, post),
-               "validation": score(model, sets["validation"], args.source, post)}
+               "train": score(model, train_view, args.source, post, args.references),
+               "validation": score(model, sets["validation"], args.source, post, args.references)}
         print(json.dumps(row), flush=True)
         log.write(json.dumps(row) + "\n")
         log.flush()
@@ -217,9 +248,9 @@ def main(argv=None) -> int:
         while time.time() - started < args.minutes * 60 and not (args.steps and step >= args.steps):
             index = torch.randint(n, (args.batch,), generator=generator).tolist()
             model.train()
-            logits, held = text_logits(model, sets["train"], index, args.source)
-            targets = torch.cat([sets["train"]["texts"][i] for i in index])
-            loss = sum(criterion.text_loss(layer[held], targets) for layer in logits)
+            logits, reads = text_logits(model, sets["train"], index, args.source, which=args.references)
+            targets = targets_of(sets["train"], index, reads)
+            loss = sum(criterion.text_loss(layer[reads >= 0], targets) for layer in logits)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(decoder_params, 1.0)
@@ -231,8 +262,17 @@ def main(argv=None) -> int:
                 losses.clear()
         if losses:
             rows.append(evaluation(step, round(sum(losses) / len(losses), 3)))
-    result = {"init": args.init, "source": args.source, "lr": args.lr, "batch": args.batch, "steps": step,
-              "overrides": args.overrides, "first": rows[0], "last": rows[-1]}
+    result = {"init": args.init, "source": args.source, "references": args.references, "lr": args.lr,
+              "batch": args.batch, "steps": step, "overrides": args.overrides, "first": rows[0], "last": rows[-1]}
+    if args.eval_count:  # the whole spotter: its detections, and what their queries read
+        from testr.train import save_checkpoint
+        from train_spotter import evaluate
+
+        save_checkpoint(out / "model.pth", model, iteration=step)
+        result["spotter"], result["sweep"] = evaluate(
+            model, DatasetCatalog.get("decoder_validation")[:args.eval_count],
+            DatasetMapperWithBasis(cfg, is_train=False), "decoder_validation", post)
+        print(json.dumps(result["spotter"]), flush=True)
     (out / "result.json").write_text(json.dumps(result) + "\n")
     return 0
 
