@@ -2,10 +2,10 @@
 
 The backbone and the encoder run once over a fixed set of pictures (at the test size) and what the decoder samples
 is kept (`--source memory`: the encoder's output; `projected`: its input, the projected maps); then only the decoder
-and the character classifier train on it, with each word's true box as its query's reference — a step costs a small
-part of a spotter step, so thousands of steps fit in minutes. Every `--eval-every` steps the words of the training
-pictures and of validation pictures (seed 2) are read and scored as the text evaluator scores matched words
-(character accuracy: 1 - edits / length; words read: equal ignoring case).
+and the character classifier train on it, each word's query at its true box (`--references true`) — a step costs
+a small part of a spotter step, so thousands of steps fit in minutes. Every `--eval-every` steps the words of the
+training pictures and of validation pictures (seed 2) are read and scored as the text evaluator scores matched
+words (character accuracy: 1 - edits / length; words read: equal ignoring case).
 
 If the decoder reads well here, the end-to-end spotter lacks steps (a GPU gives them); if it stays near what a linear
 classifier at the glyphs' centres reads (`probe_features.py`), the features are the limit; if below, where the
@@ -16,8 +16,9 @@ by the query the training matcher gives it, every query present. Only the text b
 branch's output is not used), so detection is left exactly as it was; `--eval-count` ends with the whole spotter
 through the text evaluator on validation pictures and saves its weights.
 
-    python tools/probe_decoder.py --init outputs/probe57/W_glyph_loss/model.pth --out outputs/decoder/memory \\
-        --minutes 30 MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True
+    python tools/probe_decoder.py --init outputs/probe57/W_glyph_loss/model.pth --out outputs/decoder/own \\
+        --data outputs/decoder/data2000 --count 2000 --cache outputs/decoder/cache.pt --references own --lr 1e-3 \\
+        --minutes 25 --threads 2 --eval-count 100 MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True
 """
 from __future__ import annotations
 
@@ -199,8 +200,8 @@ def main(argv=None) -> int:
     load_checkpoint(Path(args.init), model)
     mapper = DatasetMapperWithBasis(cfg, is_train=True)  # keeps the annotations ...
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # ... at the test size
-    key = {"format": 2, "init": str(Path(args.init).resolve()), "data": str(Path(args.data).resolve()), "count": args.count,
-           "overrides": args.overrides}
+    key = {"format": 2, "init": str(Path(args.init).resolve()), "data": str(Path(args.data).resolve()),
+           "count": args.count, "overrides": args.overrides}
     counts = {"train": args.count, "validation": 100}
     for name, folder, seed in (("train", args.data, 0), ("validation", args.validation, 2)):
         if not (Path(folder) / "annotations.json").is_file():
