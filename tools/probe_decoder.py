@@ -200,8 +200,9 @@ def main(argv=None) -> int:
     load_checkpoint(Path(args.init), model)
     mapper = DatasetMapperWithBasis(cfg, is_train=True)  # keeps the annotations ...
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # ... at the test size
-    key = {"format": 2, "init": str(Path(args.init).resolve()), "data": str(Path(args.data).resolve()),
-           "count": args.count, "overrides": args.overrides}
+    weights = Path(args.init).stat()  # weights retrained in place make a new cache
+    key = {"format": 2, "init": str(Path(args.init).resolve()), "weights": [weights.st_size, weights.st_mtime_ns],
+           "data": str(Path(args.data).resolve()), "count": args.count, "overrides": args.overrides}
     counts = {"train": args.count, "validation": 100}
     for name, folder, seed in (("train", args.data, 0), ("validation", args.validation, 2)):
         if not (Path(folder) / "annotations.json").is_file():
