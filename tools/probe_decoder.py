@@ -135,11 +135,11 @@ def score(model, data: dict, source: str, post: dict, which: str = "true", batch
     import torch
 
     from d2export.charset import decode
-    from d2export.evaluating.text_metrics import edits
+    from d2export.evaluating.text_metrics import Counts, read_pair
 
     chars = list(post["charset"])
     ctc = post["text_decoding"] == "ctc"
-    total = errors = words = right = 0
+    counts = Counts()
     model.eval()
     with torch.no_grad():
         for start in range(0, len(data["boxes"]), batch):
@@ -148,14 +148,10 @@ def score(model, data: dict, source: str, post: dict, which: str = "true", batch
             ids = logits[-1].argmax(-1)
             for b, i in enumerate(index):
                 for query in (reads[b] >= 0).nonzero()[:, 0].tolist():
-                    truth = decode(data["texts"][i][reads[b, query]].tolist(), chars)
-                    read = decode(ids[b, query].tolist(), chars, ctc=ctc)
-                    total += len(truth)
-                    errors += min(edits(read.lower(), truth.lower()), len(truth))
-                    words += 1
-                    right += read.lower() == truth.lower()
-    return {"char_accuracy": round(100.0 * (total - errors) / max(total, 1), 2),
-            "words_read": round(100.0 * right / max(words, 1), 2), "words": words}
+                    counts += read_pair(decode(data["texts"][i][reads[b, query]].tolist(), chars),
+                                        decode(ids[b, query].tolist(), chars, ctc=ctc))
+    return {"char_accuracy": round(counts.summary()["char_accuracy"], 2),
+            "words_read": round(100.0 * counts.read / max(counts.matched, 1), 2), "words": counts.matched}
 
 
 def main(argv=None) -> int:
@@ -208,8 +204,9 @@ def main(argv=None) -> int:
         if not (Path(folder) / "annotations.json").is_file():
             generate("text", Path(folder), count=counts[name], seed=seed, size=(320, 320))
         register(f"decoder_{name}", Path(folder))
-    if args.cache and Path(args.cache).is_file() and torch.load(args.cache, mmap=True)["key"] == key:
-        sets = torch.load(args.cache, mmap=True)["sets"]
+    kept = torch.load(args.cache, mmap=True) if args.cache and Path(args.cache).is_file() else {}
+    if kept.get("key") == key:
+        sets = kept["sets"]
     else:
         sets = {}
         for name, count in counts.items():

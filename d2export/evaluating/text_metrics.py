@@ -80,6 +80,12 @@ def iou(a, b) -> float:
     return inter / union if union > 0 else 0.0
 
 
+def read_pair(truth: str, said: str) -> Counts:
+    """One matched pair's counts: whether `said` reads `truth` whole, and its edits to it (ignoring case)."""
+    truth, said = truth.upper(), said.upper()
+    return Counts(matched=1, read=int(truth == said), chars=len(truth), char_errors=min(edits(said, truth), len(truth)))
+
+
 def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
     """One picture's counts."""
     gts = [shape(w.points) for w in words]
@@ -89,7 +95,7 @@ def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
             if not any(not c and d.area > 0 and d.intersection(g).area / d.area > IOU for g, c in zip(gts, care))]
     pairs = sorted(((iou(gts[i], dets[j]), i, j) for i in range(len(gts)) if care[i] for j in kept),
                    key=lambda t: (-t[0], t[1], t[2]))
-    used_g, used_d, matched, read, chars, errors = set(), set(), 0, 0, 0, 0
+    used_g, used_d, reading = set(), set(), Counts()
     for value, i, j in pairs:
         if value <= IOU:
             break
@@ -97,9 +103,5 @@ def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
             continue
         used_g.add(i)
         used_d.add(j)
-        matched += 1
-        truth, said = words[i].text.upper(), detections[j].text.upper()
-        read += truth == said
-        chars += len(truth)
-        errors += min(edits(said, truth), len(truth))
-    return Counts(words=sum(care), detections=len(kept), matched=matched, read=read, chars=chars, char_errors=errors)
+        reading += read_pair(words[i].text, detections[j].text)
+    return reading + Counts(words=sum(care), detections=len(kept))
