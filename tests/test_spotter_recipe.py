@@ -527,3 +527,23 @@ def test_the_decoder_probe_reads_what_the_spotter_reads(tmp_path):
         torch.testing.assert_close(logits[-1, b, :words[b]], whole, atol=1e-4, rtol=1e-4)
         assert not torch.allclose(projected[-1, b, :words[b]], whole, atol=1e-2)
         assert not torch.allclose(own[-1, b, :words[b]], whole, atol=1e-2)
+
+
+def test_glyph_pretraining_drops_its_rate_at_the_step_asked_and_resumes_there(tmp_path):
+    """tools/pretrain_glyphs.py --decay-at 3: steps 1-3 learn at --lr, steps 4 on at a tenth, also in a run that
+    resumes from last.pth past the decay; every checkpoint's row and the record say so."""
+    import json
+    import subprocess
+    import sys
+
+    script = str(Path(__file__).resolve().parent.parent / "tools" / "pretrain_glyphs.py")
+    small = ["--out", str(tmp_path), "--batch", "1", "--eval-every", "2", "--eval-count", "2", "--size", "128x160",
+             "--threads", "1", "--lr", "2e-3", "--decay-at", "3"]
+    for steps in ("4", "6"):
+        subprocess.run([sys.executable, script, "--steps", steps, *small], check=True, capture_output=True,
+                       timeout=300)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # each row: the rate of the step that ended at it
+    assert [(r["step"], r["lr"]) for r in rows] == [(2, 2e-3), (4, pytest.approx(2e-4)), (6, pytest.approx(2e-4))]
+    record = json.loads((tmp_path / "model.json").read_text())
+    assert record["train"]["decay_at"] == 3 and record["steps"] == 6

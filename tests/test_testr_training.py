@@ -379,3 +379,38 @@ def test_the_glyph_loss_resumes_with_its_classifier_and_a_run_without_it_is_refu
     done = subprocess.run([sys.executable, script, "--iters", "3", *small], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 2 and "was trained with --glyph-weight" in done.stderr, done.stderr
+
+
+def test_training_the_text_branch_alone_leaves_detection_as_it_was(tmp_path):
+    """tools/train_spotter.py --train text: from given weights, two steps move the text branch's parameters and not
+    one number of the rest (weights and BatchNorm statistics: detection is exactly --init's); resuming such a run as
+    a whole-model one is refused in one line, and the glyph loss (it trains the features) is refused with it."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    script = str(repo / "tools" / "train_spotter.py")
+    small = ["--train-count", "2", "--eval-count", "1", "--eval-every", "100", "--size", "128x160",
+             "SOLVER.WARMUP_FACTOR", "1.0", "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1"]
+    start = tmp_path / "start"
+    subprocess.run([sys.executable, script, "--out", str(start), "--iters", "1", *small], check=True,
+                   capture_output=True, timeout=300)
+    init = start / "model_000001_fp16.pth"
+    text = tmp_path / "text"
+    subprocess.run([sys.executable, script, "--out", str(text), "--iters", "2", "--train", "text", "--init", str(init),
+                    *small], check=True, capture_output=True, timeout=300)
+    before = torch.load(init, weights_only=False)["model"]
+    after = torch.load(text / "last.pth", weights_only=False)["model"]
+    assert set(before) == set(after)
+    moved = {k for k in before if not torch.equal(before[k].float(), after[k].float())}
+    texts = {k for k in before if "text" in k and before[k].is_floating_point()}
+    assert any(k.startswith("testr.transformer.decoder.") for k in moved) and "testr.text_class.weight" in moved
+    assert moved <= texts  # nothing else moved, not even a running mean
+    assert any("running_mean" in k for k in before)  # the BatchNorms' statistics were compared
+
+    resumed = subprocess.run([sys.executable, script, "--out", str(text), "--iters", "3", *small],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 2 and "was trained with --train text" in resumed.stderr, resumed.stderr
+    glyphs = subprocess.run([sys.executable, script, "--out", str(tmp_path / "g"), "--iters", "1", "--train", "text",
+                             "--glyph-weight", "1", *small], capture_output=True, text=True, timeout=300)
+    assert glyphs.returncode == 2 and "--glyph-weight" in glyphs.stderr, glyphs.stderr

@@ -185,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100000)
     ap.add_argument("--batch", type=int, default=8, help="pictures a step")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--decay-at", type=int, default=0,
+                    help="from this step on the rate is a tenth of --lr (0: constant); a resumed run keeps to it")
     ap.add_argument("--size", default="320x320")
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-count", type=int, default=100)
@@ -239,13 +241,14 @@ def main(argv=None) -> int:
     batches = stream(partial(text_record, 0, size=size), DatasetMapperWithBasis(cfg, is_train=True), args.batch,
                      seed=0, start=step, workers=args.workers)
     record = {"made_by": "tools/pretrain_glyphs.py", "command": " ".join(sys.argv), "machine": machine(),
-              "train": {"seed": 0, "size": args.size, "batch": args.batch, "lr": args.lr},
+              "train": {"seed": 0, "size": args.size, "batch": args.batch, "lr": args.lr, "decay_at": args.decay_at},
               "validation": {"seed": args.eval_seed, "count": args.eval_count},
               **({"init": init_lineage(Path(args.init))} if args.init else {})}
     started, losses = time.time(), []
 
     def checkpoint():
-        row = {"step": step, "loss": sum(losses) / max(len(losses), 1), "seconds": round(time.time() - started),
+        row = {"step": step, "lr": optimizer.param_groups[0]["lr"], "loss": sum(losses) / max(len(losses), 1),
+               "seconds": round(time.time() - started),
                "validation_char_accuracy": round(reader.accuracy(validation, test_mapper), 2)}
         losses.clear()
         print(json.dumps(row), flush=True)
@@ -259,6 +262,8 @@ def main(argv=None) -> int:
 
     model.train()
     while step < args.steps and time.time() - started < args.minutes * 60:
+        for group in optimizer.param_groups:  # the features settle once the rate drops (constant: it levels off)
+            group["lr"] = args.lr * (0.1 if args.decay_at and step >= args.decay_at else 1.0)
         logits, labels = reader.logits(next(batches))
         loss = torch.nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)

@@ -125,6 +125,10 @@ def main(argv=None) -> int:
     ap.add_argument("--glyph-weight", type=float, default=0.0,
                     help="a linear classifier reads each glyph from the encoder's memory while the spotter trains, its "
                          "loss at this weight (tools/pretrain_glyphs.py's GlyphLoss; 0: none)")
+    ap.add_argument("--train", choices=["all", "text"], default="all",
+                    help="text: only the text branch learns (its decoder layers, character classifier and slot "
+                         "embeddings) on what the rest, frozen and in eval mode, sees; detection stays exactly as "
+                         "--init had it. The last stage of the recipe: reading learns from many pictures cheaply")
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (cuda where torch sees a GPU): the op's "
                     "stand-in runs there with its backward")
@@ -177,6 +181,10 @@ def main(argv=None) -> int:
     eval_records = DatasetCatalog.get(eval_name)
 
     model = build_model(cfg)
+    if args.train == "text":
+        if args.glyph_weight:
+            ap.error("--glyph-weight trains the features, which --train text keeps as they are")
+        text_only(model)
     optimizer = build_optimizer(cfg, model)
     glyphs = None
     if args.glyph_weight:
@@ -190,6 +198,9 @@ def main(argv=None) -> int:
     if state and bool(glyphs) != ("glyph_head" in state):  # its optimizer has (or lacks) the classifier's group
         ap.error(f"{last} was trained {'without' if glyphs else 'with'} --glyph-weight: resume it the same way "
                  "or start a new --out")
+    if state and state.get("train", "all") != args.train:  # its optimizer holds other parameters
+        ap.error(f"{last} was trained with --train {state.get('train', 'all')}: resume it the same way or start a "
+                 "new --out")
     start = load_checkpoint(last, model, optimizer) if state else 0
     if glyphs and start:
         glyphs.head.load_state_dict(state["glyph_head"])
@@ -241,6 +252,8 @@ def main(argv=None) -> int:
             bar.write(f"iter {it + 1}: " + ", ".join(f"{k} {v:.1f}" for k, v in row["eval"].items())
                       + f"; best det_hmean {row['sweep'][best]:.1f} at score threshold {best}")
             extra = {"glyph_head": glyphs.head.state_dict()} if glyphs else {}
+            if args.train != "all":
+                extra["train"] = args.train
             save_checkpoint(last, model, optimizer, it + 1, **extra)
             save_weights_fp16(out / f"model_{it + 1:06d}_fp16.pth", model, it + 1)
         log.write(json.dumps(row) + "\n")
@@ -263,7 +276,7 @@ def main(argv=None) -> int:
                                    post)
         write_fixture(Path(args.fixture), snapshot, out / "metrics.jsonl", {
             "config": str(Path(args.config).resolve().relative_to(REPO)), "overrides": args.overrides,
-            "iterations": args.iters, "seed": args.seed,
+            "iterations": args.iters, "seed": args.seed, "trained": args.train,
             "train": {"count": args.train_count or "stream", "seed": 0, "size": args.size},
             "validation": {"count": args.eval_count, "seed": args.eval_seed, "size": args.size},
             "held_out": {"count": args.final_count, "seed": args.final_seed, "size": args.size, **held_out,
@@ -271,6 +284,24 @@ def main(argv=None) -> int:
             "command": "python tools/train_spotter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             **({"init": lineage} if lineage else {})})
     return 0
+
+
+def text_only(model) -> None:
+    """Only the text branch learns: every parameter without "text" in its name (the backbone, the encoder, the
+    proposals, the location branch and its heads) is frozen, and the BatchNorms among them stay in eval mode when
+    the model trains, so no statistic moves either. The matcher still pairs words with queries by the location
+    branch's outputs, which no longer change: each word is read by the query that detects it."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    norms = [m for name, m in model.named_modules() if isinstance(m, _BatchNorm) and "text" not in name]
+    for name, p in model.named_parameters():
+        p.requires_grad_("text" in name)
+
+    def frozen_norms(module, args):
+        for norm in norms:
+            norm.eval()
+
+    model.register_forward_pre_hook(frozen_norms)
 
 
 def init_lineage(path: Path) -> dict:
