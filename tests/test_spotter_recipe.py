@@ -547,3 +547,36 @@ def test_glyph_pretraining_drops_its_rate_at_the_step_asked_and_resumes_there(tm
     assert [(r["step"], r["lr"]) for r in rows] == [(2, 2e-3), (4, pytest.approx(2e-4)), (6, pytest.approx(2e-4))]
     record = json.loads((tmp_path / "model.json").read_text())
     assert record["train"]["decay_at"] == 3 and record["steps"] == 6
+
+
+def test_the_decoder_stage_writes_a_fixture_whose_detection_is_its_inits(tmp_path):
+    """tools/probe_decoder.py --fixture, the recipe's last stage: from given weights, two steps at their own
+    references move the text branch and nothing else (detection is exactly --init's), then the float16 weights are
+    scored on another seed and written with a record that keeps --init's sha256."""
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    from testr.train import save_weights_fp16
+
+    repo = Path(__file__).resolve().parent.parent
+    overrides = ["MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES", "True"]
+    init = tmp_path / "init.pth"
+    save_weights_fp16(init, _model(_cfg("micro_spotter.yaml", *overrides)))
+    fixture = tmp_path / "fixture" / "spotter.pth"
+    subprocess.run([sys.executable, str(repo / "tools" / "probe_decoder.py"), "--init", str(init), "--out",
+                    str(tmp_path / "out"), "--data", str(tmp_path / "train"), "--count", "2", "--validation",
+                    str(tmp_path / "validation"), "--validation-count", "2", "--references", "own", "--steps", "2",
+                    "--lr", "1e-3", "--batch", "2", "--fixture", str(fixture), "--final-count", "2", "--final-seed",
+                    "5", *overrides], check=True, capture_output=True, timeout=600)
+    record = json.loads(fixture.with_suffix(".json").read_text())
+    assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
+    assert record["init"]["sha256"] == hashlib.sha256(init.read_bytes()).hexdigest()
+    assert record["held_out"]["seed"] == 5 and "det_hmean" in record["held_out"] and record["iterations"] == 2
+    assert record["command"].startswith("python tools/probe_decoder.py") and "--fixture" in record["command"]
+    before = torch.load(init, weights_only=False)["model"]
+    after = torch.load(fixture, weights_only=False)["model"]
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert "testr.text_class.weight" in moved and any(".attn_cross_text." in k for k in moved)
+    assert all("text" in k for k in moved)  # the backbone, encoder, proposals and location branch as they were

@@ -168,6 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default="", help="the features of both sets, kept here (read if there: probes that\
  share --init, --data and --count run side by side without computing them twice)")
     ap.add_argument("--validation", default="outputs/probe/data_validation_100", help="seed 2, made if absent")
+    ap.add_argument("--validation-count", type=int, default=100)
     ap.add_argument("--batch", type=int, default=8, help="pictures a step")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--minutes", type=float, default=20)
@@ -177,6 +178,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-count", type=int, default=0,
                     help="at the end, the whole spotter (its text branch as trained here) through the text evaluator on"
                          " this many pictures of --validation, and its weights saved (model.pth)")
+    ap.add_argument("--fixture", default="", help="at the end, the float16 weights written here with their record (as"
+                    " train_spotter.py --fixture writes it), scored on --final-count pictures of --final-seed")
+    ap.add_argument("--final-seed", type=int, default=1, help="seed of the held-out pictures --fixture scores")
+    ap.add_argument("--final-count", type=int, default=200, help="held-out pictures --fixture scores")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
 
@@ -198,8 +203,9 @@ def main(argv=None) -> int:
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # ... at the test size
     weights = Path(args.init).stat()  # weights retrained in place make a new cache
     key = {"format": 2, "init": str(Path(args.init).resolve()), "weights": [weights.st_size, weights.st_mtime_ns],
-           "data": str(Path(args.data).resolve()), "count": args.count, "overrides": args.overrides}
-    counts = {"train": args.count, "validation": 100}
+           "data": str(Path(args.data).resolve()), "count": args.count, "overrides": args.overrides,
+           "validation": [str(Path(args.validation).resolve()), args.validation_count]}
+    counts = {"train": args.count, "validation": args.validation_count}
     for name, folder, seed in (("train", args.data, 0), ("validation", args.validation, 2)):
         if not (Path(folder) / "annotations.json").is_file():
             generate("text", Path(folder), count=counts[name], seed=seed, size=(320, 320))
@@ -273,6 +279,21 @@ def main(argv=None) -> int:
             DatasetMapperWithBasis(cfg, is_train=False), "decoder_validation", post)
         print(json.dumps(result["spotter"]), flush=True)
     (out / "result.json").write_text(json.dumps(result) + "\n")
+    if args.fixture:  # detection is --init's, reading is this run's: the last stage of the recipe
+        from testr.train import save_weights_fp16
+        from train_spotter import init_lineage, publish
+
+        snapshot = out / "model_fp16.pth"
+        save_weights_fp16(snapshot, model, step)
+        publish(model, cfg, snapshot, Path(args.fixture), out / "final", args.final_seed, args.final_count,
+                "320x320", {
+                    "config": str(Path(args.config).resolve().relative_to(REPO)), "overrides": args.overrides,
+                    "iterations": step, "trained": f"text branch on cached features ({args.source}, "
+                                                   f"{args.references} references)",
+                    "train": {"count": args.count, "seed": 0, "size": "320x320", "batch": args.batch, "lr": args.lr},
+                    "validation": {"count": counts["validation"], "seed": 2, "size": "320x320"},
+                    "command": "python tools/probe_decoder.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "train_seconds": rows[-1]["seconds"], "curve": rows, "init": init_lineage(Path(args.init))})
     return 0
 
 

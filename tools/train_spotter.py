@@ -266,23 +266,18 @@ def main(argv=None) -> int:
                           "seconds_per_iteration": round((time.time() - began) / max(it + 1 - start, 1), 3),
                           "share_waiting_for_pictures": round(waited_total / max(time.time() - began, 1e-9), 3)}))
     if args.fixture and it + 1 >= args.iters:
-        folder = out / "data" / "final"
-        if not (folder / "annotations.json").is_file():
-            generate("text", folder, count=args.final_count, seed=args.final_seed, size=size)
-        register("synth_text_final", folder)
-        snapshot = out / f"model_{args.iters:06d}_fp16.pth"
-        load_checkpoint(snapshot, model)  # float16 values into the float32 model: what the fixture ships
-        held_out, sweep = evaluate(model, DatasetCatalog.get("synth_text_final"), mapper_test, "synth_text_final",
-                                   post)
-        write_fixture(Path(args.fixture), snapshot, out / "metrics.jsonl", {
-            "config": str(Path(args.config).resolve().relative_to(REPO)), "overrides": args.overrides,
-            "iterations": args.iters, "seed": args.seed, "trained": args.train,
-            "train": {"count": args.train_count or "stream", "seed": 0, "size": args.size},
-            "validation": {"count": args.eval_count, "seed": args.eval_seed, "size": args.size},
-            "held_out": {"count": args.final_count, "seed": args.final_seed, "size": args.size, **held_out,
-                         "det_hmean_by_threshold": sweep},
-            "command": "python tools/train_spotter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            **({"init": lineage} if lineage else {})})
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        curve = [{k: r[k] for k in ("iter", "seconds", "lr", "total", "loss_ce", "loss_ctrl_points", "loss_texts",
+                                     "eval", "sweep") if k in r} for r in rows if "eval" in r]
+        publish(model, cfg, out / f"model_{args.iters:06d}_fp16.pth", Path(args.fixture), out / "data" / "final",
+                args.final_seed, args.final_count, args.size, {
+                    "config": str(Path(args.config).resolve().relative_to(REPO)), "overrides": args.overrides,
+                    "iterations": args.iters, "seed": args.seed, "trained": args.train,
+                    "train": {"count": args.train_count or "stream", "seed": 0, "size": args.size},
+                    "validation": {"count": args.eval_count, "seed": args.eval_seed, "size": args.size},
+                    "command": "python tools/train_spotter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "train_seconds": round(rows[-1]["seconds"]) if rows else 0, "curve": curve,
+                    **({"init": lineage} if lineage else {})})
     return 0
 
 
@@ -321,20 +316,34 @@ def machine() -> str:
     return f"{describe_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}"
 
 
-def write_fixture(path: Path, snapshot: Path, metrics: Path, record: dict) -> None:
-    """The snapshot copied to `path` and its record beside it: the curve (the evaluated rows of metrics.jsonl) and
-    the training time (a resumed run's clock goes on from its checkpoint's)."""
+def publish(model, cfg, snapshot: Path, path: Path, folder: Path, seed: int, count: int, size: str,
+            record: dict) -> None:
+    """A finished run's float16 `snapshot`, run in float32 as it ships, scored on `count` pictures of `seed` (a seed
+    neither trained nor tuned on, drawn into `folder`), then copied to `path` with its record beside it: `record`
+    (the command, the run's curve and training time, ...) and the held-out scores, the machine, sha256 and size."""
     import shutil
 
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    from detectron2.data import DatasetCatalog
+    from testr.data import DatasetMapperWithBasis
+    from testr.train import load_checkpoint
+
+    from d2export.datasets import generate, register
+    from d2export.datasets.synth import parse_size
+
+    if not (folder / "annotations.json").is_file():
+        generate("text", folder, count=count, seed=seed, size=parse_size(size))
+    register("synth_text_final", folder)
+    load_checkpoint(snapshot, model)  # float16 values into the float32 model: what the fixture ships
+    held_out, sweep = evaluate(model, DatasetCatalog.get("synth_text_final"), DatasetMapperWithBasis(cfg, False),
+                               "synth_text_final", reading(cfg))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.copyfile(snapshot, tmp)
     tmp.replace(path)
-    record.update(machine=machine(), train_seconds=round(rows[-1]["seconds"]) if rows else 0,
-                  curve=[{k: r[k] for k in ("iter", "seconds", "lr", "total", "loss_ce", "loss_ctrl_points",
-                                             "loss_texts", "eval", "sweep") if k in r} for r in rows if "eval" in r],
-                  sha256=hashlib.sha256(path.read_bytes()).hexdigest(), bytes=path.stat().st_size)
+    record = {**record, "held_out": {"count": count, "seed": seed, "size": size, **held_out,
+                                     "det_hmean_by_threshold": sweep},
+              "machine": machine(), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+              "bytes": path.stat().st_size}
     path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "curve"}, indent=2))
 
