@@ -21,7 +21,7 @@
 #   recipe PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]: (carry .gpu; one call) issue 52's two steps on the GPU:
 #           tools/pretrain_glyphs.py teaches the fixture's stem-res3 characters (batch 32), then train_spotter.py
 #           goes on from those weights with the text slots on their shares of the box and the glyph classifier kept
-#           on the encoder's memory (--glyph-weight 1: half the wear of its features on a CPU probe); back under
+#           on the encoder's memory (--glyph-weight 5: no wear of its features on a CPU probe); back under
 #           $OUT: both curves, the pretraining's record, the feature probe of its weights, the last float16 spotter
 set -uo pipefail
 W=/tmp/work
@@ -128,7 +128,7 @@ recipe)  # (carry .gpu) PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]
   cp $W/glyphs/metrics.jsonl "$OUT/glyphs_metrics.jsonl"; cp $W/glyphs/model.json "$OUT/glyphs_model.json"
   in_repo python3 tools/probe_features.py --weights $W/glyphs/model.pth --where memory --threads 8 2>&1 | tail -n 3 \
     | tee "$OUT/glyphs_probe.log"
-  train_on_gpu $W/glyphs/model.pth "${3:-5}" --batch 16 --glyph-weight 1 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4 \
+  train_on_gpu $W/glyphs/model.pth "${3:-5}" --batch 16 --glyph-weight 5 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4 \
     MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True "${@:4}"
   ;;
 *) echo "usage: $0 pack DIR | prep | stash N | run | train MINUTES [KEY VALUE ...] | recipe MIN MIN [KEY VALUE ...]" >&2
