@@ -171,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--validation-count", type=int, default=100)
     ap.add_argument("--batch", type=int, default=8, help="pictures a step")
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--decay-at", type=int, default=0,
+                    help="from this step on the rate is a tenth of --lr (0: constant); with --steps, the end is known")
     ap.add_argument("--minutes", type=float, default=20)
     ap.add_argument("--steps", type=int, default=0, help="or stop after this many steps (0: only --minutes)")
     ap.add_argument("--eval-every", type=int, default=500)
@@ -239,7 +241,8 @@ def main(argv=None) -> int:
     train_view = {k: v[:100] if isinstance(v, list) else v for k, v in sets["train"].items()}
 
     def evaluation(step, loss):
-        row = {"step": step, "seconds": round(time.time() - started), "loss_texts": loss,
+        row = {"step": step, "seconds": round(time.time() - started), "lr": optimizer.param_groups[0]["lr"],
+               "loss_texts": loss,
                "train": score(model, train_view, args.source, post, args.references),
                "validation": score(model, sets["validation"], args.source, post, args.references)}
         print(json.dumps(row), flush=True)
@@ -251,6 +254,8 @@ def main(argv=None) -> int:
     with open(out / "log.jsonl", "w") as log:
         rows = [evaluation(0, None)]
         while time.time() - started < args.minutes * 60 and not (args.steps and step >= args.steps):
+            for group in optimizer.param_groups:  # the last steps at a tenth settle what a constant rate stirs
+                group["lr"] = args.lr * (0.1 if args.decay_at and step >= args.decay_at else 1.0)
             index = torch.randint(n, (args.batch,), generator=generator).tolist()
             model.train()
             logits, reads = text_logits(model, sets["train"], index, args.source, which=args.references)
@@ -268,6 +273,7 @@ def main(argv=None) -> int:
         if losses:
             rows.append(evaluation(step, round(sum(losses) / len(losses), 3)))
     result = {"init": args.init, "source": args.source, "references": args.references, "lr": args.lr,
+              "decay_at": args.decay_at,
               "batch": args.batch, "steps": step, "overrides": args.overrides, "first": rows[0], "last": rows[-1]}
     if args.eval_count:  # the whole spotter: its detections, and what their queries read
         from testr.train import save_checkpoint
@@ -290,7 +296,8 @@ def main(argv=None) -> int:
                     "config": str(Path(args.config).resolve().relative_to(REPO)), "overrides": args.overrides,
                     "iterations": step, "trained": f"text branch on cached features ({args.source}, "
                                                    f"{args.references} references)",
-                    "train": {"count": args.count, "seed": 0, "size": "320x320", "batch": args.batch, "lr": args.lr},
+                    "train": {"count": args.count, "seed": 0, "size": "320x320", "batch": args.batch, "lr": args.lr,
+                              "decay_at": args.decay_at},
                     "validation": {"count": counts["validation"], "seed": 2, "size": "320x320"},
                     "command": "python tools/probe_decoder.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "train_seconds": rows[-1]["seconds"], "curve": rows, "init": init_lineage(Path(args.init))})
