@@ -494,7 +494,7 @@ def int8_sessions(modes, exports: dict, built, out: Path, threads: int, size: in
             path = out / f"{info['path'].stem}_int8_{mode}.onnx"
             pictures = int8.Pictures(int8.calibration_files(str(folder), 8), feeds) if mode == "static" else None
             try:
-                record = int8.quantize(info["path"], path, mode, built.family.int8_scopes(mode), cpu_features(),
+                record = int8.quantize(info["path"], path, mode, built.family.int8_float_scopes, cpu_features(),
                                        pictures, static_ops=built.family.int8_static_ops)
             except Exception as e:  # noqa: BLE001 - a graph the tooling cannot take is a row that says so
                 print(f"{name} int8 {mode}: not quantised: {str(e).splitlines()[0][:200]}")

@@ -5,6 +5,9 @@ import pytest
 from d2export.exporting import int8
 from exports import export
 
+# what text spotters keep float so that the queries a TopK picks from the proposals' scores stay the same
+ENCODER_AND_PROPOSALS = ("encoder", "enc_output", "bbox_class_embed", "bezier_class_embed")
+
 
 def test_scopes_name_modules_by_their_path():
     scopes = ("sampling_offsets", "ctrl_point_coord")
@@ -130,6 +133,7 @@ def test_dynamic_int8_quantises_the_matmuls_keeps_the_decoders_float_and_verifie
     assert q["mode"] == "dynamic" and q["quantized"] > 20 and ops & set(int8.INTEGER_OPS)
     kept = q["kept_float"]
     assert any("sampling_offsets" in n for n in kept) and any("ctrl_point_coord" in n for n in kept)
+    assert any("/encoder/" in n for n in kept) and any("/enc_output/" in n for n in kept)
     assert all(int8.in_scope(n, get("testr").int8_float_scopes) for n in kept)
     assert q["reduce_range"] is int8.reduce_range_for(cpu_features())[0]
     assert v["tolerances"]["ids"] == {"atol": 0.0, "rtol": 0.0}
@@ -178,7 +182,8 @@ def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(calibration, tmp_p
     from d2export.families import get
 
     monkeypatch.setattr(get("testr"), "int8_static_ops", ("Conv", "MatMul", "Gemm"))
-    monkeypatch.setattr(get("testr"), "int8_static_float_scopes", ())
+    monkeypatch.setattr(get("testr"), "int8_float_scopes",
+                        tuple(s for s in get("testr").int8_float_scopes if s not in ENCODER_AND_PROPOSALS))
     with pytest.raises(VerificationError, match="the int8 graph disagrees with eager PyTorch"):
         export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
                "export.calibration_count=8", "verify.batch=false", "verify.pin_selections=false")

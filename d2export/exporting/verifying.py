@@ -190,13 +190,13 @@ def quantise_to_int8(subject: Subject) -> dict:
     quantized = path.with_name(f".{path.name}.int8")
     try:
         with progress.busy("quantising"):
-            record = int8.quantize(path, quantized, e.int8, built.family.int8_scopes(e.int8), cpu_features(),
+            record = int8.quantize(path, quantized, e.int8, built.family.int8_float_scopes, cpu_features(),
                                    pictures, e.calibration_method, built.family.int8_static_ops)
         quantized.replace(path)
     finally:
         quantized.unlink(missing_ok=True)
     log.info("int8: %d node(s) quantised, %d kept float (%s); %s", record.quantized, len(record.kept_float),
-             ", ".join(built.family.int8_scopes(e.int8)) or "none", record.why_reduce_range)
+             ", ".join(built.family.int8_float_scopes) or "none", record.why_reduce_range)
     summary = _verify_reduced(subject, "int8") if subject.cases else {"passed": None}
     return summary | {"quantization": record.to_dict()}
 

@@ -54,13 +54,8 @@ class Family:
     # export.int8: modules (torch.onnx names nodes by module path) whose Conv/MatMul/Gemm stay float, where int8
     # breaks what a few bits move far: sampling locations, attention weights, box and point decoding (docs/int8.md)
     int8_float_scopes: tuple[str, ...] = ()
-    # export.int8=static: the operator types quantised (dynamic takes MatMul and Gemm), and modules kept float on top
-    # of int8_float_scopes, where calibrated activations move what a selection picks
+    # export.int8=static: the operator types quantised (dynamic takes MatMul and Gemm)
     int8_static_ops: tuple[str, ...] = ("Conv", "MatMul", "Gemm")
-    int8_static_float_scopes: tuple[str, ...] = ()
-
-    def int8_scopes(self, mode: str) -> tuple[str, ...]:
-        return self.int8_float_scopes + (self.int8_static_float_scopes if mode == "static" else ())
     # seeded random weights only (never a checkpoint): parameter-name fragment → factor, for heads whose random
     # initialisation is degenerate as no trained model is (every score saturated to 1.0, boxes thrown off the picture)
     seeded_scales: dict[str, float] = {}

@@ -113,17 +113,16 @@ class TextSpotter(Family):
     evaluator = "text"
     output_docs = OUTPUT_DOCS
     output_kinds = OUTPUT_KINDS
-    # MSDA's sampling locations and weights; the heads that decode boxes, control and boundary points, Beziers
+    # MSDA's sampling locations and weights; the heads that decode boxes, control and boundary points, Beziers; and
+    # the encoder with the proposals' scoring, which a TopK picks the queries by: quantised there (static, or dynamic
+    # on a spotter that reads), the proposal scores moved by 0.13-0.23 and a confident word was swapped or misread
     int8_float_scopes = ("sampling_offsets", "attention_weights", "reference_points", "bbox_embed", "ctrl_point_coord",
-                         "bezier_coord_embed", "boundary_offset")
+                         "bezier_coord_embed", "boundary_offset", "encoder", "enc_output", "bbox_class_embed",
+                         "bezier_class_embed")
     # the trained micro spotter's convolutions quantised statically (MinMax, 16 pictures) moved its proposal logits by
     # 0.45-0.61 and a confident word by 259 px (percentile: 243 px; the backbone kept float: still 259 px, through
     # input_proj): static quantises the MatMuls, as dynamic does, with calibrated activations
     int8_static_ops = ("MatMul", "Gemm")
-    # the encoder, whose output the two-stage proposals are scored from and a TopK picks the queries by: calibrated
-    # there, the retrained spotter's proposal scores moved by 0.23 and a confident word was swapped (16 pictures);
-    # kept float, confident control points within 0.94 px
-    int8_static_float_scopes = ("encoder", "enc_output", "bbox_class_embed", "bezier_class_embed")
 
     def missing(self, model):
         return lacks(model, self.head)
