@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from d2export.exporting import int8
-from exports import export
+from exports import STEP2, export
 
 # what text spotters keep float so that the queries a TopK picks from the proposals' scores stay the same
 ENCODER_AND_PROPOSALS = ("encoder", "enc_output", "bbox_class_embed", "bezier_class_embed")
@@ -114,7 +114,7 @@ def dynamic(tmp_path_factory):
     """The trained micro spotter exported with export.int8=dynamic."""
 
     out = tmp_path_factory.mktemp("int8_dynamic")
-    manifest = export("textdet_micro", out, "export.int8=dynamic")
+    manifest = export("textdet_micro", out, "export.int8=dynamic", STEP2)
     return manifest, out / manifest.model_file
 
 
@@ -165,7 +165,7 @@ def test_static_int8_calibrates_on_pictures_and_verifies(calibration, tmp_path):
     """The encoder kept float (calibrated, it moved the two-stage proposals' scores by 0.23 and a confident word was
     swapped: refused)."""
 
-    manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
+    manifest = export("textdet_micro", tmp_path, STEP2, "export.int8=static", f"export.calibration={calibration}",
                       "export.calibration_count=16", "verify.batch=false")
     v = manifest.verification["int8"]
     assert manifest.precision == "int8" and v["passed"] is True
@@ -185,6 +185,6 @@ def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(calibration, tmp_p
     monkeypatch.setattr(get("testr"), "int8_float_scopes",
                         tuple(s for s in get("testr").int8_float_scopes if s not in ENCODER_AND_PROPOSALS))
     with pytest.raises(VerificationError, match="the int8 graph disagrees with eager PyTorch"):
-        export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
+        export("textdet_micro", tmp_path, STEP2, "export.int8=static", f"export.calibration={calibration}",
                "export.calibration_count=8", "verify.batch=false", "verify.pin_selections=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))

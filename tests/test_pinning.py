@@ -19,6 +19,7 @@ from d2export import pipeline
 from d2export.config import load
 from d2export.exporting import pinning, verifying
 from d2export.exporting.verify import Case, VerificationError, compare_case
+from exports import STEP2
 
 FLOAT32 = pinning.Tolerances(atol=1e-3, rtol=1e-3, pixel_atol=1e-3)  # verify's defaults
 TIGHT = pinning.Tolerances(atol=1e-5, rtol=1e-5, pixel_atol=1e-5)  # the two-stage module's comparison
@@ -109,7 +110,7 @@ def test_float16_graph_with_ties_passes_by_pinning(tmp_path):
     # own error wherever a logit lies within it of a rounding boundary (a jump of a whole quantum, past every
     # tolerance: refused, rightly); unshifted, one of the third fixture's logits did, so the boundaries are moved
     # (shifts 2.25 and 2.125 both pass, both by pinning)
-    built = _built("textdet_micro", tmp_path, "export.fp16=true")
+    built = _built("textdet_micro", tmp_path, "export.fp16=true", STEP2)
     plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=9e-4, shift=2.25)
     manifest = pipeline.export(built.cfg, built=built)
     assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from d2export.datasets import generate
-from exports import export
+from exports import STEP2, export
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "data" / "spotter_fixture.pth"
@@ -66,5 +66,5 @@ def test_evaluate_pytorch_and_onnx_agree_on_text(exported, held_out):
 
 
 def test_float16_export_verifies_on_text(tmp_path):
-    manifest = export("textdet_micro", tmp_path, "export.fp16=true")
+    manifest = export("textdet_micro", tmp_path, "export.fp16=true", STEP2)
     assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"] is True
