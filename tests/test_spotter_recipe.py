@@ -568,8 +568,8 @@ def test_the_decoder_stage_writes_a_fixture_whose_detection_is_its_inits(tmp_pat
     subprocess.run([sys.executable, str(repo / "tools" / "probe_decoder.py"), "--init", str(init), "--out",
                     str(tmp_path / "out"), "--data", str(tmp_path / "train"), "--count", "2", "--validation",
                     str(tmp_path / "validation"), "--validation-count", "2", "--references", "own", "--steps", "2",
-                    "--lr", "1e-3", "--decay-at", "1", "--eval-every", "1", "--batch", "2", "--fixture", str(fixture), "--final-count", "2", "--final-seed",
-                    "5", *overrides], check=True, capture_output=True, timeout=600)
+                    "--lr", "1e-3", "--decay-at", "1", "--eval-every", "1", "--batch", "2", "--fixture", str(fixture),
+                    "--final-count", "2", "--final-seed", "5", *overrides], check=True, capture_output=True, timeout=600)
     record = json.loads(fixture.with_suffix(".json").read_text())
     assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
     assert record["init"]["sha256"] == hashlib.sha256(init.read_bytes()).hexdigest()

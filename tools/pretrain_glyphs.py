@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from train_spotter import init_lineage, machine, spotter_cfg
+    from train_spotter import decayed, init_lineage, machine, spotter_cfg
 
     cfg = spotter_cfg(args.config, args.overrides, args.threads)
     from detectron2.modeling import build_model
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
     model.train()
     while step < args.steps and time.time() - started < args.minutes * 60:
         for group in optimizer.param_groups:  # the features settle once the rate drops (constant: it levels off)
-            group["lr"] = args.lr * (0.1 if args.decay_at and step >= args.decay_at else 1.0)
+            group["lr"] = decayed(args.lr, step, args.decay_at)
         logits, labels = reader.logits(next(batches))
         loss = torch.nn.functional.cross_entropy(logits, labels)
         optimizer.zero_grad(set_to_none=True)

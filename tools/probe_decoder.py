@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from train_spotter import reading, spotter_cfg
+    from train_spotter import decayed, reading, spotter_cfg
 
     cfg = spotter_cfg(args.config, args.overrides, args.threads)
     cfg.MODEL.DEVICE = "cpu"
@@ -254,8 +254,8 @@ def main(argv=None) -> int:
     with open(out / "log.jsonl", "w") as log:
         rows = [evaluation(0, None)]
         while time.time() - started < args.minutes * 60 and not (args.steps and step >= args.steps):
-            for group in optimizer.param_groups:  # the last steps at a tenth settle what a constant rate stirs
-                group["lr"] = args.lr * (0.1 if args.decay_at and step >= args.decay_at else 1.0)
+            for group in optimizer.param_groups:
+                group["lr"] = decayed(args.lr, step, args.decay_at)
             index = torch.randint(n, (args.batch,), generator=generator).tolist()
             model.train()
             logits, reads = text_logits(model, sets["train"], index, args.source, which=args.references)

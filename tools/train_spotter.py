@@ -299,6 +299,12 @@ def text_only(model) -> None:
     model.register_forward_pre_hook(frozen_norms)
 
 
+def decayed(lr: float, step: int, decay_at: int) -> float:
+    """The rate of a step under `--decay-at`: a tenth of `lr` from step `decay_at` on (0: constant). The last steps at
+    a tenth settle what a constant rate stirs (pretrain_glyphs, probe_decoder)."""
+    return lr * (0.1 if decay_at and step >= decay_at else 1.0)
+
+
 def init_lineage(path: Path) -> dict:
     """What a warm-started run began from: the weights' sha256 and, where one lies beside them, their record (so a
     fixture trained over several runs keeps every run's command, machine, time and curve)."""
