@@ -496,6 +496,9 @@ def test_the_decoder_probe_reads_what_the_spotter_reads(tmp_path):
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation
     data = probe_decoder.cache(model, mapper, records, half=False)
+    only = probe_decoder.cache(model, mapper, records, keep=("memory",))  # what a run keeps: its --source alone
+    assert "projected" not in only and only["memory"].dtype == torch.float16
+    torch.testing.assert_close(only["memory"].float(), data["memory"], atol=2e-2, rtol=1e-3)
     queries = model.testr.num_proposals
     with torch.no_grad():
         logits, reads = probe_decoder.text_logits(model, data, [0, 1], "memory", queries)
