@@ -478,6 +478,7 @@ def int8_sessions(modes, exports: dict, built, out: Path, threads: int, size: in
     from d2export.cpu import cpu_features
     from d2export.datasets import generate
     from d2export.exporting import int8
+    from d2export.exporting.pictures import picture_files
     from d2export.imaging import resize_shortest_edge
 
     folder = Path(calibration) if calibration else out / "calibration"
@@ -492,7 +493,7 @@ def int8_sessions(modes, exports: dict, built, out: Path, threads: int, size: in
     for name, info in [(n, i) for n, i in exports.items() if "kernel" not in i]:  # each graph once
         for mode in modes:
             path = out / f"{info['path'].stem}_int8_{mode}.onnx"
-            pictures = int8.Pictures(int8.calibration_files(str(folder), 8), feeds) if mode == "static" else None
+            pictures = int8.Pictures(picture_files(str(folder), 8), feeds) if mode == "static" else None
             try:
                 record = int8.quantize(info["path"], path, mode, built.family.int8_float_scopes, cpu_features(),
                                        pictures, static_ops=built.family.int8_static_ops)

@@ -94,6 +94,10 @@ class VerifyConfig:
     sizes: List[List[int]] = opt(factory=list, help="[height, width] checked one by one; empty: the dummy size, its "
                                  "transpose, a non-square pair and an odd size")
     batch: bool = opt(True, "also a batch of two images of different sizes")
+    pictures: str = opt("", "the cases' pictures: a folder (`d2export synth` writes one) or a registered dataset, "
+                        "one picture a case, each stretched to the case's size; empty: synthetic pictures (bars, "
+                        "strokes, noise). A reduced-precision reader is judged on text it reads, not strokes it "
+                        "guesses at")
     atol: float = opt(1e-3, "absolute tolerance (float32 graph) of probabilities, logits and masks")
     rtol: float = opt(1e-3, "relative tolerance (float32 graph), every kind but ids")
     pixel_atol: float = opt(1e-3, "absolute tolerance (float32 graph) of coordinates in input pixels: boxes, control "

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from d2export.exporting import int8
+from d2export.exporting.pictures import picture_files
 from exports import STEP2, export
 
 # what text spotters keep float so that the queries a TopK picks from the proposals' scores stay the same
@@ -82,7 +83,7 @@ def test_calibration_pictures_are_read_a_range_at_a_time(tmp_path):
     (tmp_path / "images").mkdir()
     for i in range(5):
         Image.fromarray(np.full((8, 10, 3), 40 * i, np.uint8)).save(tmp_path / "images" / f"{i:02d}.png")
-    files = int8.calibration_files(str(tmp_path), 4)
+    files = picture_files(str(tmp_path), 4)
     assert [f.name for f in files] == ["00.png", "01.png", "02.png", "03.png"]
     pictures = int8.Pictures(files, lambda picture: {"images": picture})
     assert len(pictures) == 4
@@ -92,7 +93,7 @@ def test_calibration_pictures_are_read_a_range_at_a_time(tmp_path):
     assert pictures.get_next() is None
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no pictures"):
-        int8.calibration_files(str(tmp_path / "empty"), 4)
+        picture_files(str(tmp_path / "empty"), 4)
 
 
 @pytest.mark.parametrize("overrides, says", [

@@ -107,24 +107,6 @@ class Pictures:
         return self.feeds(picture)
 
 
-def calibration_files(source: str, count: int) -> list[Path]:
-    """The first `count` pictures of a folder (`d2export synth` writes them under images/) or a registered detectron2
-    dataset, in a fixed order."""
-    folder = Path(source)
-    if folder.is_dir():
-        root = folder / "images" if (folder / "images").is_dir() else folder
-        files = sorted(p for p in root.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".bmp"))
-    else:
-        from detectron2.data import DatasetCatalog
-
-        if source not in DatasetCatalog.list():
-            raise ValueError(f"export.calibration.source={source!r} is neither a folder nor a registered dataset")
-        files = [Path(r["file_name"]) for r in DatasetCatalog.get(source)]
-    if not files:
-        raise ValueError(f"export.calibration.source={source!r} holds no pictures")
-    return files[:count]
-
-
 def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: Sequence[str],
              pictures: Pictures | None = None, method: str = "minmax",
              static_ops: Sequence[str] = ("Conv", "MatMul", "Gemm")) -> Int8Record:

@@ -14,6 +14,7 @@ from d2export import progress
 from d2export.config import D2ExportConfig
 from d2export.exporting import pinning, sessions, verify
 from d2export.exporting.ladder import ROOT, run_ladder
+from d2export.exporting.pictures import picture_at, picture_files
 from d2export.exporting.onnx_export import export_scope, traced_sizes
 from d2export.manifest import Manifest, graph_specs
 from d2export.tracing import dummy_images, graph_inputs
@@ -53,7 +54,8 @@ def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
 
 def verification_cases(built) -> list[verify.Case]:
     """One case per verification size (and a batch of two where the graph takes one), with eager's outputs: computed
-    before any export-time patch, they are the independent side."""
+    before any export-time patch, they are the independent side. The pictures are synthetic (bars, strokes, noise),
+    or with `verify.pictures` the model's own, one after another, each stretched to its case's size."""
     sizes = verification_sizes(built.cfg)
     groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
     if not built.cfg.export.dynamic and not built.cfg.verify.sizes:
@@ -64,11 +66,19 @@ def verification_cases(built) -> list[verify.Case]:
     elif built.cfg.verify.batch:
         log.warning("verify.batch: no batch case, the %s graph takes one image per run (fixed batch axis)",
                     built.family.name)
-    cases = []
+    v, cases = built.cfg.verify, []
+    files = picture_files(v.pictures, sum(map(len, groups)), "verify.pictures") if v.pictures else []
+    pixel_format = built.family.preprocess(built.d2cfg)["input_format"]
     for i, group in progress.steps(list(enumerate(groups)), "eager references"):
-        images = dummy_images(group, seed=1000 + 10 * i)
         name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group) + (
             f" (pictures {i + 1})" if groups.count(group) > 1 else "")
+        if files:
+            first = sum(map(len, groups[:i]))
+            used = [files[(first + j) % len(files)] for j in range(len(group))]
+            images = [picture_at(f, h, w, pixel_format) for f, (h, w) in zip(used, group)]
+            name += f" ({'+'.join(f.name for f in used)})"
+        else:
+            images = dummy_images(group, seed=1000 + 10 * i)
         cases.append(verify.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images), images))
     return cases
 
@@ -182,7 +192,7 @@ def quantise_to_int8(subject: Subject) -> dict:
     built, path, e = subject.built, subject.path, subject.built.cfg.export
     pictures = None
     if e.int8 == "static":
-        files = int8.calibration_files(e.calibration, e.calibration_count)
+        files = picture_files(e.calibration, e.calibration_count)
         pictures = int8.Pictures(files, _picture_feeds(built, path))
     how = (f"calibrating on {len(pictures)} pictures ({e.calibration_method})" if pictures
            else "weights int8, activations quantised per run")
