@@ -4,10 +4,12 @@ import pytest
 
 from d2export.exporting import int8
 from d2export.exporting.pictures import picture_files
-from exports import STEP2, export
+from exports import export
 
 # what text spotters keep float so that the queries a TopK picks from the proposals' scores stay the same
 ENCODER_AND_PROPOSALS = ("encoder", "enc_output", "bbox_class_embed", "bezier_class_embed")
+# and so that a reader's character probabilities stay within the tolerance
+TEXT_BRANCH = ("attn_cross_text", "attn_intra_text", "attn_inter_text", "linear1_text", "linear2_text", "text_class")
 
 
 def test_scopes_name_modules_by_their_path():
@@ -115,7 +117,7 @@ def dynamic(tmp_path_factory):
     """The trained micro spotter exported with export.int8=dynamic."""
 
     out = tmp_path_factory.mktemp("int8_dynamic")
-    manifest = export("textdet_micro", out, "export.int8=dynamic", STEP2)
+    manifest = export("textdet_micro", out, "export.int8=dynamic")
     return manifest, out / manifest.model_file
 
 
@@ -135,6 +137,7 @@ def test_dynamic_int8_quantises_the_matmuls_keeps_the_decoders_float_and_verifie
     kept = q["kept_float"]
     assert any("sampling_offsets" in n for n in kept) and any("ctrl_point_coord" in n for n in kept)
     assert any("/encoder/" in n for n in kept) and any("/enc_output/" in n for n in kept)
+    assert all(any(f"/{scope}" in n for n in kept) for scope in TEXT_BRANCH)
     assert all(int8.in_scope(n, get("testr").int8_float_scopes) for n in kept)
     assert q["reduce_range"] is int8.reduce_range_for(cpu_features())[0]
     assert v["tolerances"]["ids"] == {"atol": 0.0, "rtol": 0.0}
@@ -166,7 +169,7 @@ def test_static_int8_calibrates_on_pictures_and_verifies(calibration, tmp_path):
     """The encoder kept float (calibrated, it moved the two-stage proposals' scores by 0.23 and a confident word was
     swapped: refused)."""
 
-    manifest = export("textdet_micro", tmp_path, STEP2, "export.int8=static", f"export.calibration={calibration}",
+    manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
                       "export.calibration_count=16", "verify.batch=false")
     v = manifest.verification["int8"]
     assert manifest.precision == "int8" and v["passed"] is True
@@ -186,6 +189,19 @@ def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(calibration, tmp_p
     monkeypatch.setattr(get("testr"), "int8_float_scopes",
                         tuple(s for s in get("testr").int8_float_scopes if s not in ENCODER_AND_PROPOSALS))
     with pytest.raises(VerificationError, match="the int8 graph disagrees with eager PyTorch"):
-        export("textdet_micro", tmp_path, STEP2, "export.int8=static", f"export.calibration={calibration}",
+        export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
                "export.calibration_count=8", "verify.batch=false", "verify.pin_selections=false")
+    assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
+
+
+def test_a_reader_whose_text_branch_is_quantised_is_refused(tmp_path, monkeypatch):
+    """The fixture reads 83% of characters: with its text branch in dynamic int8 a confident character's probability
+    moved 0.08-0.14 (ids equal). Refused; nothing written."""
+    from d2export.exporting.verify import VerificationError
+    from d2export.families import get
+
+    monkeypatch.setattr(get("testr"), "int8_float_scopes",
+                        tuple(s for s in get("testr").int8_float_scopes if s not in TEXT_BRANCH))
+    with pytest.raises(VerificationError, match="char_scores"):
+        export("textdet_micro", tmp_path, "export.int8=dynamic", "verify.pin_selections=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))

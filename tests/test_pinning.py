@@ -19,7 +19,6 @@ from d2export import pipeline
 from d2export.config import load
 from d2export.exporting import pinning, verifying
 from d2export.exporting.verify import Case, VerificationError, compare_case
-from exports import STEP2
 
 FLOAT32 = pinning.Tolerances(atol=1e-3, rtol=1e-3, pixel_atol=1e-3)  # verify's defaults
 TIGHT = pinning.Tolerances(atol=1e-5, rtol=1e-5, pixel_atol=1e-5)  # the two-stage module's comparison
@@ -103,14 +102,17 @@ def test_without_pinning_the_same_right_graph_is_refused(tmp_path, no_ladder):
 
 
 def test_float16_graph_with_ties_passes_by_pinning(tmp_path):
+    from d2export.datasets import generate
+
     # the trained spotter, whose scores are spread: a seeded one's all lie within float16's score tolerance of the
-    # lists' cut, where any other pick is excused without pinning. The noise is within float32's tolerance and kept
-    # by float16 once the logits near the lists' cut (about 2.25 on these weights) are moved to about 0, where float16
-    # resolves it (at 2.25 its step is 0.002: 9e-4 vanishes there, and 1e-7 everywhere). Rounding amplifies float16's
-    # own error wherever a logit lies within it of a rounding boundary (a jump of a whole quantum, past every
-    # tolerance: refused, rightly); unshifted, one of the third fixture's logits did, so the boundaries are moved
-    # (shifts 2.25 and 2.125 both pass, both by pinning)
-    built = _built("textdet_micro", tmp_path, "export.fp16=true", STEP2)
+    # lists' cut, where any other pick is excused without pinning; on pictures of its domain (verify.pictures: on
+    # noise pictures its float16 characters are refused, docs/verification.md). The noise is within float32's
+    # tolerance and kept by float16 once the logits near the lists' cut (about 2.25) are moved to about 0, where
+    # float16 resolves it (at 2.25 its step is 0.002: 9e-4 vanishes there, and 1e-7 everywhere). Rounding amplifies
+    # float16's own error wherever a logit lies within it of a rounding boundary (a jump of a whole quantum, past
+    # every tolerance: refused, rightly); unshifted, one of an earlier fixture's logits did, so the boundaries are moved
+    text = generate("text", tmp_path / "text", count=8, seed=13, size=(320, 320), workers=1)
+    built = _built("textdet_micro", tmp_path / "out", "export.fp16=true", f"verify.pictures={text}")
     plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=9e-4, shift=2.25)
     manifest = pipeline.export(built.cfg, built=built)
     assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"]

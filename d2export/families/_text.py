@@ -113,12 +113,16 @@ class TextSpotter(Family):
     evaluator = "text"
     output_docs = OUTPUT_DOCS
     output_kinds = OUTPUT_KINDS
-    # MSDA's sampling locations and weights; the heads that decode boxes, control and boundary points, Beziers; and
-    # the encoder with the proposals' scoring, which a TopK picks the queries by: quantised there (static, or dynamic
-    # on a spotter that reads), the proposal scores moved by 0.13-0.23 and a confident word was swapped or misread
+    # MSDA's sampling locations and weights; the heads that decode boxes, control and boundary points, Beziers; the
+    # encoder with the proposals' scoring, which a TopK picks the queries by: quantised there (static, or dynamic
+    # on a spotter that reads), the proposal scores moved by 0.13-0.23 and a confident word was swapped or misread;
+    # and the text branch (TESTR's *_text decoder sublayers, the character classifier): quantised, a spotter that
+    # reads 83% had a confident character's probability 0.08-0.14 off, ids equal; keeping its attention alone or
+    # its cross-attention alone float verified on some pictures, not on all
     int8_float_scopes = ("sampling_offsets", "attention_weights", "reference_points", "bbox_embed", "ctrl_point_coord",
                          "bezier_coord_embed", "boundary_offset", "encoder", "enc_output", "bbox_class_embed",
-                         "bezier_class_embed")
+                         "bezier_class_embed", "attn_cross_text", "attn_intra_text", "attn_inter_text", "linear1_text",
+                         "linear2_text", "text_class")
     # the trained micro spotter's convolutions quantised statically (MinMax, 16 pictures) moved its proposal logits by
     # 0.45-0.61 and a confident word by 259 px (percentile: 243 px; the backbone kept float: still 259 px, through
     # input_proj): static quantises the MatMuls, as dynamic does, with calibrated activations
