@@ -14,8 +14,8 @@ from d2export import progress
 from d2export.config import D2ExportConfig
 from d2export.exporting import pinning, sessions, verify
 from d2export.exporting.ladder import ROOT, run_ladder
-from d2export.exporting.pictures import picture_at, picture_files
 from d2export.exporting.onnx_export import export_scope, traced_sizes
+from d2export.exporting.pictures import picture_at, picture_files
 from d2export.manifest import Manifest, graph_specs
 from d2export.tracing import dummy_images, graph_inputs
 
