@@ -39,3 +39,13 @@ def fixed_fused_export(tmp_path_factory):
     manifest = pipeline.export(load("textdet_tiny", [f"export.output_dir={out}", "export.sampler=fused",
                                                      "export.dynamic=false"]))
     return manifest, out / manifest.model_file
+
+
+@pytest.fixture(scope="session")
+def text_pictures(tmp_path_factory):
+    """16 synthetic text pictures (320x320) of a seed of their own (not the fixture's training 0, held-out 1,
+    validation 2, demo 3, suite 7): int8 calibration and verification on the reader's domain (verify.pictures)."""
+    from d2export.datasets import generate
+
+    return generate("text", tmp_path_factory.mktemp("text_pictures") / "text", count=16, seed=13, size=(320, 320),
+                    workers=1)

@@ -156,20 +156,11 @@ def test_the_predictor_serves_the_int8_graph(dynamic):
     assert predictor.manifest.precision == "int8" and predictor.predict(picture).instances
 
 
-@pytest.fixture(scope="module")
-def calibration(tmp_path_factory):
-    """Pictures of a seed of their own (not the fixture's training 0, held-out 1, validation 2, demo 3, suite 7)."""
-    from d2export.datasets import generate
-
-    return generate("text", tmp_path_factory.mktemp("calibration") / "text", count=16, seed=13, size=(320, 320),
-                    workers=1)
-
-
-def test_static_int8_calibrates_on_pictures_and_verifies(calibration, tmp_path):
+def test_static_int8_calibrates_on_pictures_and_verifies(text_pictures, tmp_path):
     """The encoder kept float (calibrated, it moved the two-stage proposals' scores by 0.23 and a confident word was
     swapped: refused)."""
 
-    manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
+    manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={text_pictures}",
                       "export.calibration_count=16", "verify.batch=false")
     v = manifest.verification["int8"]
     assert manifest.precision == "int8" and v["passed"] is True
@@ -179,7 +170,7 @@ def test_static_int8_calibrates_on_pictures_and_verifies(calibration, tmp_path):
     assert any("/encoder/" in n for n in q["kept_float"]) and any("/decoder/" in n for n in q["kept_float"])
 
 
-def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(calibration, tmp_path, monkeypatch):
+def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(text_pictures, tmp_path, monkeypatch):
     """The spotter's convolutions and encoder quantised statically too (what text spotters keep float): proposals
     move and a confident word lands elsewhere. Refused; nothing written."""
     from d2export.exporting.verify import VerificationError
@@ -189,7 +180,7 @@ def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(calibration, tmp_p
     monkeypatch.setattr(get("testr"), "int8_float_scopes",
                         tuple(s for s in get("testr").int8_float_scopes if s not in ENCODER_AND_PROPOSALS))
     with pytest.raises(VerificationError, match="the int8 graph disagrees with eager PyTorch"):
-        export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={calibration}",
+        export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={text_pictures}",
                "export.calibration_count=8", "verify.batch=false", "verify.pin_selections=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
 

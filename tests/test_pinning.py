@@ -101,9 +101,7 @@ def test_without_pinning_the_same_right_graph_is_refused(tmp_path, no_ladder):
     assert not list(tmp_path.glob("*.onnx"))
 
 
-def test_float16_graph_with_ties_passes_by_pinning(tmp_path):
-    from d2export.datasets import generate
-
+def test_float16_graph_with_ties_passes_by_pinning(tmp_path, text_pictures):
     # the trained spotter, whose scores are spread: a seeded one's all lie within float16's score tolerance of the
     # lists' cut, where any other pick is excused without pinning; on pictures of its domain (verify.pictures: on
     # noise pictures its float16 characters are refused, docs/verification.md). The noise is within float32's
@@ -111,8 +109,7 @@ def test_float16_graph_with_ties_passes_by_pinning(tmp_path):
     # float16 resolves it (at 2.25 its step is 0.002: 9e-4 vanishes there, and 1e-7 everywhere). Rounding amplifies
     # float16's own error wherever a logit lies within it of a rounding boundary (a jump of a whole quantum, past
     # every tolerance: refused, rightly); unshifted, one of an earlier fixture's logits did, so the boundaries are moved
-    text = generate("text", tmp_path / "text", count=8, seed=13, size=(320, 320), workers=1)
-    built = _built("textdet_micro", tmp_path / "out", "export.fp16=true", f"verify.pictures={text}")
+    built = _built("textdet_micro", tmp_path, "export.fp16=true", f"verify.pictures={text_pictures}")
     plant_ties(_module(built, FAMILIES["textdet_tiny"]), graph_noise=9e-4, shift=2.25)
     manifest = pipeline.export(built.cfg, built=built)
     assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"]

@@ -65,13 +65,6 @@ def test_evaluate_pytorch_and_onnx_agree_on_text(exported, held_out):
     assert report["comparisons"][0]["differing_pictures"] == 0
 
 
-@pytest.fixture(scope="module")
-def text_pictures(tmp_path_factory):
-    """Verification's pictures of the reader's domain: a seed of their own (not training 0, held-out 1, validation
-    2, demo 3, suite 7)."""
-    return generate("text", tmp_path_factory.mktemp("verify") / "text", count=8, seed=13, size=(320, 320), workers=1)
-
-
 def test_float16_export_verifies_on_text(tmp_path, text_pictures):
     """On synthetic noise pictures the reader's confident detections read strokes at character probabilities near
     0.3, where float16 moves them past the tolerance (docs/verification.md); on text it reads, it verifies."""

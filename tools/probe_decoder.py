@@ -55,7 +55,7 @@ def cache(model, mapper, records, keep=("memory", "projected"), half: bool = Tru
     model.eval()
     try:
         with torch.no_grad():
-            for record in records:
+            for i, record in enumerate(records):
                 item = mapper(record)
                 outputs = model.testr(model.preprocess_image([item]))
                 target = model.prepare_targets([item["instances"]])[0]
@@ -71,7 +71,7 @@ def cache(model, mapper, records, keep=("memory", "projected"), half: bool = Tru
                     if found[key].shape[1:] != seen[key].shape[1:]:
                         raise SystemExit("probe_decoder: the pictures must map to one size (use square pictures of "
                                          "one size)")
-                    found[key][len(found["own"])] = seen[key][0]
+                    found[key][i] = seen[key][0]
                 found["boxes"].append(target["boxes"])
                 found["texts"].append(target["texts"].long())
                 found["own"].append(seen["refs"][0])

@@ -5,6 +5,7 @@ float32 failure, the parity ladder's first diverging module (ladder.py). The pip
 hands a `Subject` over; nothing here calls back into it, and nothing is written if a graph is refused."""
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,13 +69,13 @@ def verification_cases(built) -> list[verify.Case]:
                     built.family.name)
     v, cases = built.cfg.verify, []
     files = picture_files(v.pictures, sum(map(len, groups)), "verify.pictures") if v.pictures else []
+    turns = itertools.cycle(files)  # one picture a case's image, in turn
     pixel_format = built.family.preprocess(built.d2cfg)["input_format"]
     for i, group in progress.steps(list(enumerate(groups)), "eager references"):
         name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group) + (
             f" (pictures {i + 1})" if groups.count(group) > 1 else "")
         if files:
-            first = sum(map(len, groups[:i]))
-            used = [files[(first + j) % len(files)] for j in range(len(group))]
+            used = [next(turns) for _ in group]
             images = [picture_at(f, h, w, pixel_format) for f, (h, w) in zip(used, group)]
             name += f" ({'+'.join(f.name for f in used)})"
         else:
