@@ -38,8 +38,11 @@ def cache(model, mapper, records, keep=("memory", "projected"), half: bool = Tru
     "mask" (one picture's: the same for all), "boxes" [per picture: its words' (n, 4) cxcywh boxes relative to the
     picture], "texts" [(n, T) ids], "own" [(Q, 4): the model's own references, its encoder's top proposals],
     "matched" [(Q,): the word the training matcher gives each query, -1 for none]}. The features are written into
-    tensors allocated once (10,000 pictures' memory is 2.8 GB in float16; a list and its stacked copy were twice)."""
+    tensors allocated once (at 320², 2,125 positions of 128 channels: 0.54 MB a picture in float16, 10,000 pictures
+    5.4 GB; a list and its stacked copy were twice that)."""
     import torch
+
+    from d2export.progress import steps
 
     decoder, encoder = model.testr.transformer.decoder, model.testr.transformer.encoder
     seen = {}
@@ -55,7 +58,7 @@ def cache(model, mapper, records, keep=("memory", "projected"), half: bool = Tru
     model.eval()
     try:
         with torch.no_grad():
-            for i, record in enumerate(records):
+            for i, record in enumerate(steps(records, "caching features")):
                 item = mapper(record)
                 outputs = model.testr(model.preprocess_image([item]))
                 target = model.prepare_targets([item["instances"]])[0]

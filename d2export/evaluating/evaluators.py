@@ -33,6 +33,12 @@ def ground_truth_words(record: dict, voc_size: int) -> list[Word]:
     return words
 
 
+def detected_words(instances, post: dict[str, Any]) -> list[tuple[float, Word]]:
+    """A model's Instances as the text evaluator reads them: (score, Word) for each detection with an outline."""
+    return [(i.score, Word(np.asarray(i.boundary or i.polygon, np.float64).reshape(-1, 2), i.text or ""))
+            for i in to_prediction(instances.to("cpu"), post).instances if (i.boundary or i.polygon)]
+
+
 class TextSpottingEvaluator(DatasetEvaluator):
     """Detection precision/recall/H-mean at polygon IoU 0.5 and end-to-end word accuracy without lexicon
     (see text_metrics). Detections are read as `to_prediction` reads a model's Instances: the outline (`bd`,
@@ -54,9 +60,7 @@ class TextSpottingEvaluator(DatasetEvaluator):
 
     def process(self, inputs, outputs) -> None:
         for given, out in zip(inputs, outputs):
-            found = [(i.score, Word(np.asarray(i.boundary or i.polygon, np.float64).reshape(-1, 2), i.text or ""))
-                     for i in to_prediction(out["instances"].to("cpu"), self._post).instances
-                     if (i.boundary or i.polygon)]
+            found = detected_words(out["instances"], self._post)
             truth = self._truth[given["image_id"]]
             for t in self._counts:
                 kept = [word for score, word in found if t is None or score >= t]

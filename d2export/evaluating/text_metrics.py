@@ -86,8 +86,9 @@ def read_pair(truth: str, said: str) -> Counts:
     return Counts(matched=1, read=int(truth == said), chars=len(truth), char_errors=min(edits(said, truth), len(truth)))
 
 
-def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
-    """One picture's counts."""
+def matches(words: Sequence[Word], detections: Sequence[Word]) -> tuple[list[tuple[int, int]], int]:
+    """One picture's matched (word, detection) index pairs, and how many detections count (those lying on a don't-care
+    word set aside)."""
     gts = [shape(w.points) for w in words]
     dets = [shape(d.points) for d in detections]
     care = [w.text != DONT_CARE for w in words]
@@ -95,7 +96,7 @@ def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
             if not any(not c and d.area > 0 and d.intersection(g).area / d.area > IOU for g, c in zip(gts, care))]
     pairs = sorted(((iou(gts[i], dets[j]), i, j) for i in range(len(gts)) if care[i] for j in kept),
                    key=lambda t: (-t[0], t[1], t[2]))
-    used_g, used_d, reading = set(), set(), Counts()
+    used_g, used_d, matched = set(), set(), []
     for value, i, j in pairs:
         if value <= IOU:
             break
@@ -103,5 +104,12 @@ def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
             continue
         used_g.add(i)
         used_d.add(j)
-        reading += read_pair(words[i].text, detections[j].text)
-    return reading + Counts(words=sum(care), detections=len(kept))
+        matched.append((i, j))
+    return matched, len(kept)
+
+
+def count(words: Sequence[Word], detections: Sequence[Word]) -> Counts:
+    """One picture's counts."""
+    matched, kept = matches(words, detections)
+    reading = sum((read_pair(words[i].text, detections[j].text) for i, j in matched), Counts())
+    return reading + Counts(words=sum(w.text != DONT_CARE for w in words), detections=kept)
