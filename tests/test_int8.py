@@ -186,8 +186,8 @@ def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(text_pictures, tmp
 
 
 def test_a_reader_whose_text_branch_is_quantised_is_refused(tmp_path, monkeypatch):
-    """The fixture reads 83% of characters: with its text branch in dynamic int8 a confident character's probability
-    moved 0.08-0.14 (ids equal). Refused; nothing written."""
+    """A fixture that reads: with its text branch in dynamic int8 a confident character's probability moved 0.08-0.14
+    (ids equal; the weights of 10,000 pictures). Refused; nothing written."""
     from d2export.exporting.verify import VerificationError
     from d2export.families import get
 

@@ -104,7 +104,7 @@ def test_without_pinning_the_same_right_graph_is_refused(tmp_path, no_ladder):
 def test_float16_graph_with_ties_passes_by_pinning(tmp_path, text_pictures):
     # the trained spotter, whose scores are spread: a seeded one's all lie within float16's score tolerance of the
     # lists' cut, where any other pick is excused without pinning; on pictures of its domain (verify.pictures: on
-    # noise pictures its float16 characters are refused, docs/verification.md). The noise is within float32's
+    # noise pictures a reader's float16 characters move most, docs/verification.md). The noise is within float32's
     # tolerance and kept by float16 once the logits near the lists' cut (about 2.25) are moved to about 0, where
     # float16 resolves it (at 2.25 its step is 0.002: 9e-4 vanishes there, and 1e-7 everywhere). Rounding amplifies
     # float16's own error wherever a logit lies within it of a rounding boundary (a jump of a whole quantum, past

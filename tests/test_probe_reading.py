@@ -75,16 +75,11 @@ def test_over_a_set_it_agrees_with_the_text_evaluator(tmp_path, capsys):
     assert "shape straight" in capsys.readouterr().out
 
     from detectron2.data import DatasetCatalog
-    from train_spotter import evaluate, reading, spotter_cfg
-
-    cfg = spotter_cfg(str(probe_reading.REPO / "third_party/testr/configs/micro_spotter.yaml"), [], 1)
-    cfg.MODEL.DEVICE = "cpu"
-    from detectron2.modeling import build_model
     from testr.data import DatasetMapperWithBasis
-    from testr.train import load_checkpoint
+    from train_spotter import cpu_spotter, evaluate, reading
 
-    model = build_model(cfg)
-    load_checkpoint(probe_reading.REPO / "tests/data/spotter_fixture.pth", model)
+    cfg, model = cpu_spotter(str(probe_reading.REPO / "third_party/testr/configs/micro_spotter.yaml"), [], 1,
+                             probe_reading.REPO / "tests/data/spotter_fixture.pth")
     theirs, _ = evaluate(model, DatasetCatalog.get("probe_reading"), DatasetMapperWithBasis(cfg, is_train=False),
                          "probe_reading", reading(cfg))
     assert mine["words"] == theirs["words"] > 0

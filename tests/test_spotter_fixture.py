@@ -66,8 +66,9 @@ def test_evaluate_pytorch_and_onnx_agree_on_text(exported, held_out):
 
 
 def test_float16_export_verifies_on_text(tmp_path, text_pictures):
-    """On synthetic noise pictures the reader's confident detections read strokes at character probabilities near
-    0.3, where float16 moves them past the tolerance (docs/verification.md); on text it reads, it verifies."""
+    """On the pictures of its domain (verify.pictures), where its characters are confident: on noise pictures a
+    reader's confident detections read strokes at character probabilities near 0.3, where float16 moves them most
+    (an earlier fixture's were refused there, docs/training.md)."""
     manifest = export("textdet_micro", tmp_path, "export.fp16=true", f"verify.pictures={text_pictures}")
     v = manifest.verification["fp16"]
     assert manifest.precision == "float16" and v["passed"] is True and manifest.verification["passed"] is True

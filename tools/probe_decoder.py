@@ -195,19 +195,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from train_spotter import decayed, reading, spotter_cfg
+    from train_spotter import cpu_spotter, decayed, reading
 
-    cfg = spotter_cfg(args.config, args.overrides, args.threads)
-    cfg.MODEL.DEVICE = "cpu"
+    cfg, model = cpu_spotter(args.config, args.overrides, args.threads, args.init)
     from detectron2.data import DatasetCatalog
-    from detectron2.modeling import build_model
     from testr.data import DatasetMapperWithBasis
-    from testr.train import load_checkpoint
 
     from d2export.datasets import generate, register
 
-    model = build_model(cfg)
-    load_checkpoint(Path(args.init), model)
     mapper = DatasetMapperWithBasis(cfg, is_train=True)  # keeps the annotations ...
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # ... at the test size
     weights = Path(args.init).stat()  # weights retrained in place make a new cache

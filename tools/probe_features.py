@@ -108,14 +108,11 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
 
-    from train_spotter import spotter_cfg
+    from train_spotter import cpu_spotter
 
-    cfg = spotter_cfg(args.config, args.overrides, args.threads)
-    cfg.MODEL.DEVICE = "cpu"
+    cfg, model = cpu_spotter(args.config, args.overrides, args.threads, args.weights)
     from detectron2.data import DatasetCatalog
-    from detectron2.modeling import build_model
     from testr.data import DatasetMapperWithBasis
-    from testr.train import load_checkpoint
 
     from d2export.datasets import generate, register
 
@@ -123,8 +120,6 @@ def main(argv=None) -> int:
         if not (Path(folder) / "annotations.json").is_file():
             generate("text", Path(folder), count=count, seed=seed, size=(320, 320))
         register(name, Path(folder))
-    model = build_model(cfg)
-    load_checkpoint(Path(args.weights), model)
     model.eval()
     mapper = DatasetMapperWithBasis(cfg, is_train=False)
     voc = int(cfg.MODEL.TRANSFORMER.VOC_SIZE)

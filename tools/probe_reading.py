@@ -108,22 +108,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from train_spotter import reading, spotter_cfg
+    from train_spotter import cpu_spotter, reading
 
-    cfg = spotter_cfg(args.config, args.overrides, args.threads)
-    cfg.MODEL.DEVICE = "cpu"
+    cfg, model = cpu_spotter(args.config, args.overrides, args.threads, args.weights)
     from detectron2.data import DatasetCatalog, MetadataCatalog
-    from detectron2.modeling import build_model
     from testr.data import DatasetMapperWithBasis
-    from testr.train import load_checkpoint
 
     from d2export.datasets import register
     from d2export.evaluating.evaluators import detected_words, ground_truth_words
     from d2export.evaluating.text_metrics import matches
     from d2export.progress import steps
 
-    model = build_model(cfg)
-    load_checkpoint(Path(args.weights), model)
     model.eval()
     register("probe_reading", Path(args.data))
     records = DatasetCatalog.get("probe_reading")[:args.count or None]

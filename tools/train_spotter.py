@@ -67,6 +67,18 @@ def spotter_cfg(config: str, overrides: list[str], threads: int, seed: int = 0):
     return cfg
 
 
+def cpu_spotter(config: str, overrides: list[str], threads: int, weights: str | Path):
+    """The probes' model: `config` as `spotter_cfg` makes it, on the CPU, with `weights`; returns (cfg, model)."""
+    cfg = spotter_cfg(config, overrides, threads)  # first: it stands in for testr's compiled op before testr loads
+    cfg.MODEL.DEVICE = "cpu"
+    from detectron2.modeling import build_model
+    from testr.train import load_checkpoint
+
+    model = build_model(cfg)
+    load_checkpoint(Path(weights), model)
+    return cfg, model
+
+
 def reading(cfg) -> dict:
     """How the evaluator reads the model's character slots (a manifest's `charset` and `text_decoding`)."""
     from d2export.charset import charset
