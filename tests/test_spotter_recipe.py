@@ -363,7 +363,7 @@ def test_glyph_pretraining_reads_each_character_where_it_was_drawn():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import pretrain_glyphs
 
-    cfg = _cfg("micro_spotter.yaml")
+    cfg = _cfg("micro_spotter.yaml", "INPUT.MIN_SIZE_TEST", "320")  # as step 1 of the recipe read
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # 240 → 320 px: a scale of 4/3
     record = mapper(text_record(5, 3, size=(240, 240)))
@@ -421,7 +421,7 @@ def test_glyph_reading_samples_each_character_where_it_was_drawn():
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     import pretrain_glyphs
 
-    cfg = _cfg("micro_spotter.yaml")
+    cfg = _cfg("micro_spotter.yaml", "INPUT.MIN_SIZE_TEST", "320")
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation
     record = mapper(text_record(5, 3, size=(240, 320)))  # mapped to 320 x 427: padded below to 480 x 448
