@@ -47,8 +47,9 @@ def test_the_model_config_reads_at_the_size_the_record_scored():
     scored at, and the model config the export reads sets the same (read at 320 instead of 480, these weights read
     72% of the validation pictures' characters, not 90%)."""
     config = yaml.safe_load((REPO / RECORD["config"]).read_text())
-    overrides = dict(zip(RECORD["overrides"][::2], RECORD["overrides"][1::2]))
-    assert int(overrides["INPUT.MIN_SIZE_TEST"]) == config["INPUT"]["MIN_SIZE_TEST"]
+    read_at = RECORD["held_out"]["read_at"]
+    assert (read_at["min_size"], read_at["max_size"]) == (config["INPUT"]["MIN_SIZE_TEST"],
+                                                          config["INPUT"]["MAX_SIZE_TEST"])
 
 
 def test_export_verifies_with_the_trained_weights(exported):

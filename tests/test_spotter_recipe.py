@@ -555,12 +555,14 @@ def test_glyph_pretraining_drops_its_rate_at_the_step_asked_and_resumes_there(tm
 def test_the_decoder_stage_writes_a_fixture_whose_detection_is_its_inits(tmp_path):
     """tools/probe_decoder.py --fixture, the recipe's last stage: from given weights, two steps at their own
     references move the text branch and nothing else (detection is exactly --init's), then the float16 weights are
-    scored on another seed and written with a record that keeps --init's sha256."""
+    scored on another seed and written with a record that keeps --init's sha256 and the test size it was scored at.
+    A run that --minutes cuts short of --steps writes none."""
     import hashlib
     import json
     import subprocess
     import sys
 
+    import yaml
     from testr.train import save_weights_fp16
 
     repo = Path(__file__).resolve().parent.parent
@@ -568,12 +570,17 @@ def test_the_decoder_stage_writes_a_fixture_whose_detection_is_its_inits(tmp_pat
     init = tmp_path / "init.pth"
     save_weights_fp16(init, _model(_cfg("micro_spotter.yaml", *overrides)))
     fixture = tmp_path / "fixture" / "spotter.pth"
-    subprocess.run([sys.executable, str(repo / "tools" / "probe_decoder.py"), "--init", str(init), "--out",
-                    str(tmp_path / "out"), "--data", str(tmp_path / "train"), "--count", "2", "--validation",
-                    str(tmp_path / "validation"), "--validation-count", "2", "--references", "own", "--steps", "2",
-                    "--lr", "1e-3", "--decay-at", "1", "--eval-every", "1", "--batch", "2", "--fixture", str(fixture),
-                    "--final-count", "2", "--final-seed", "5", *overrides], check=True, capture_output=True, timeout=600)
+    command = [sys.executable, str(repo / "tools" / "probe_decoder.py"), "--init", str(init), "--out",
+               str(tmp_path / "out"), "--data", str(tmp_path / "train"), "--count", "2", "--validation",
+               str(tmp_path / "validation"), "--validation-count", "2", "--references", "own", "--steps", "2",
+               "--lr", "1e-3", "--decay-at", "1", "--eval-every", "1", "--batch", "2", "--fixture", str(fixture),
+               "--final-count", "2", "--final-seed", "5", *overrides]
+    cut = subprocess.run(command[:2] + ["--minutes", "0"] + command[2:], capture_output=True, text=True, timeout=600)
+    assert cut.returncode == 1 and "no fixture written" in cut.stderr and not fixture.parent.exists()
+    subprocess.run(command, check=True, capture_output=True, timeout=600)
     record = json.loads(fixture.with_suffix(".json").read_text())
+    config = yaml.safe_load((repo / "third_party/testr/configs/micro_spotter.yaml").read_text())["INPUT"]
+    assert record["held_out"]["read_at"] == {"min_size": config["MIN_SIZE_TEST"], "max_size": config["MAX_SIZE_TEST"]}
     assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
     assert record["init"]["sha256"] == hashlib.sha256(init.read_bytes()).hexdigest()
     assert record["held_out"]["seed"] == 5 and "det_hmean" in record["held_out"] and record["iterations"] == 2

@@ -287,6 +287,10 @@ def main(argv=None) -> int:
             DatasetMapperWithBasis(cfg, is_train=False), "decoder_validation", post)
         print(json.dumps(result["spotter"]), flush=True)
     (out / "result.json").write_text(json.dumps(result) + "\n")
+    if args.fixture and args.steps and step < args.steps:  # cut short by --minutes: not the run its command says
+        print(f"--minutes ran out at step {step} of --steps {args.steps} (before or without its --decay-at): no "
+              f"fixture written; run again with more --minutes", file=sys.stderr)
+        return 1
     if args.fixture:  # detection is --init's, reading is this run's: the last stage of the recipe
         from testr.train import save_weights_fp16
         from train_spotter import init_lineage, publish

@@ -358,7 +358,8 @@ def publish(model, cfg, snapshot: Path, path: Path, folder: Path, seed: int, cou
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.copyfile(snapshot, tmp)
     tmp.replace(path)
-    record = {**record, "held_out": {"count": count, "seed": seed, "size": size, **held_out,
+    read_at = {"min_size": cfg.INPUT.MIN_SIZE_TEST, "max_size": cfg.INPUT.MAX_SIZE_TEST}  # what the scores depend on
+    record = {**record, "held_out": {"count": count, "seed": seed, "size": size, "read_at": read_at, **held_out,
                                      "det_hmean_by_threshold": sweep},
               "machine": machine(), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
               "bytes": path.stat().st_size}
