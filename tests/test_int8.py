@@ -19,6 +19,11 @@ def test_scopes_name_modules_by_their_path():
     assert not int8.in_scope("/testr/transformer/encoder/layers.0/self_attn/value_proj/MatMul", scopes)
     assert not int8.in_scope("/testr/ctrl_point_coordinates/MatMul", scopes)  # another module's name begins alike
     assert not int8.in_scope("sampling_offsets_MatMul", scopes)
+    # a module called twice: torch.onnx names its second call's nodes with a suffix
+    assert int8.in_scope("/testr/ctrl_point_coord.0_1/layers.1/MatMul", scopes)
+    assert int8.in_scope("/testr/text_class_1/MatMul", ("text_class",))
+    assert not int8.in_scope("/testr/text_class_x/MatMul", ("text_class",))
+    assert not int8.in_scope("/testr/text_classes/MatMul", ("text_class",))
 
 
 def test_reduce_range_only_where_the_cpu_lacks_vnni():
@@ -139,6 +144,10 @@ def test_dynamic_int8_quantises_the_matmuls_keeps_the_decoders_float_and_verifie
     assert any("/encoder/" in n for n in kept) and any("/enc_output/" in n for n in kept)
     assert all(any(f"/{scope}" in n for n in kept) for scope in TEXT_BRANCH)
     assert all(int8.in_scope(n, get("testr").int8_float_scopes) for n in kept)
+    # and nothing in those modules computes in int8: not the classifier's call on the last layer (text_class_1), not
+    # attention's output projection, a Gemm the quantiser turns into a MatMul of another name
+    integer = [n.name for n in onnx.load(str(path)).graph.node if n.op_type in int8.INTEGER_OPS]
+    assert integer and not [n for n in integer if int8.in_scope(n, get("testr").int8_float_scopes)]
     assert q["reduce_range"] is int8.reduce_range_for(cpu_features())[0]
     assert v["tolerances"]["ids"] == {"atol": 0.0, "rtol": 0.0}
 

@@ -6,6 +6,7 @@ quantisation of the operator types that pay, with what int8 breaks kept float by
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,9 +50,11 @@ def reduce_range_for(features: Sequence[str]) -> tuple[bool, str]:
 
 def in_scope(node_name: str, scopes: Sequence[str]) -> bool:
     """Whether a node named by torch.onnx after its module path ("/testr/ctrl_point_coord.0/layers.1/MatMul") lies in
-    a module named in `scopes` ("ctrl_point_coord" takes its list items ctrl_point_coord.0, .1, … too)."""
+    a module named in `scopes` ("ctrl_point_coord" takes its list items ctrl_point_coord.0, .1, … too, and the
+    module's later calls, which torch.onnx names with a suffix: text_class_1 is the character classifier run on the
+    last decoder layer's output, the one the graph returns)."""
     parts = node_name.split("/")
-    return any(p == s or p.startswith(s + ".") for p in parts for s in scopes)
+    return any(re.fullmatch(rf"{re.escape(s)}(_\d+)?(\..*)?", p) for p in parts for s in scopes)
 
 
 def float_nodes(model, op_types: Sequence[str], scopes: Sequence[str]) -> list[str]:
@@ -136,8 +139,12 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
         if mode == "static":
             kept += [name for name in activation_matmuls(prepared) if name not in kept]
         if mode == "dynamic":
+            # the dynamic quantiser turns each Gemm into a MatMul named "<Gemm>_MatMul" (and an Add) after it read
+            # nodes_to_exclude: a Gemm kept float is excluded under that name too, or it is quantised all the same
+            gemms = {n.name for n in prepared.graph.node if n.op_type == "Gemm"}
+            excluded = kept + [f"{name}_MatMul" for name in kept if name in gemms]
             quantize_dynamic(str(pre), str(dst), op_types_to_quantize=op_types, per_channel=False,
-                             reduce_range=reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=kept,
+                             reduce_range=reduce_range, weight_type=QuantType.QInt8, nodes_to_exclude=excluded,
                              extra_options=options)
             calibration = None
         else:
