@@ -47,14 +47,14 @@ def exact_float32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _call_path(spec: str):
+def _call_path(spec: str, key: str = "model.cfg_factory"):
     module, _, attr = spec.partition(":")
     if not attr:
-        raise UserError(f"model.cfg_factory={spec!r}: write it as 'module:function'")
+        raise UserError(f"{key}={spec!r}: write it as 'module:function'")
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise UserError(f"model.cfg_factory={spec!r} cannot be loaded: {e}") from e
+        raise UserError(f"{key}={spec!r} cannot be loaded: {e}") from e
 
 
 @contextlib.contextmanager
@@ -103,6 +103,8 @@ def load_config(model: ModelConfig, root: Path, device: str = "cpu") -> Any:
 def load_d2_config(model: ModelConfig, root: Path, device: str = "cpu") -> Any:
     path = d2_config_path(model.d2_config, root)
     cfg = _call_path(model.cfg_factory)()
+    for adder in model.cfg_adders:
+        _call_path(adder, "model.cfg_adders")(cfg)
     try:
         cfg.merge_from_file(str(path))
         cfg.merge_from_list(list(model.opts))

@@ -33,6 +33,8 @@ class ModelConfig:
                              "[adet.modeling]")
     cfg_factory: str = opt("detectron2.config:get_cfg", "'module:function' returning a detectron2 CfgNode with the "
                            "project's keys added")
+    cfg_adders: List[str] = opt(factory=list, help="'module:function's called on that CfgNode before the YAML is "
+                                "merged, each adding a project's keys, e.g. [mask2former:add_maskformer2_config]")
     d2_config: Optional[str] = opt(None, "the project's detectron2 YAML (yacs); this or model.lazy_config")
     opts: List[str] = opt(factory=list, help="detectron2 overrides: [KEY, VALUE, …]")
     lazy_config: Optional[str] = opt(None, "a LazyConfig .py (detrex's `model = L(DeformableDETR)(...)`) instead of "

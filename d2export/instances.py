@@ -6,6 +6,7 @@ family does not produce stay None and are left out of the JSON.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from dataclasses import replace as dataclasses_replace
 from typing import Any
 
 import numpy as np
@@ -34,14 +35,38 @@ TextInstance = Instance  # the name the first release used
 
 
 @dataclass
+class Segment:
+    """One region of a panoptic map: the pixels of `Prediction.panoptic` equal to `id`."""
+    id: int
+    category_id: int  # the model's contiguous class index
+    isthing: bool
+    class_name: str | None = None
+
+
+@dataclass
 class Prediction:
     height: int  # the original picture's size
     width: int
     instances: list[Instance] = field(default_factory=list)
+    # segmentation models (per pixel, the original picture's size); None where the model makes no such map
+    semantic: np.ndarray | None = None  # [H, W] int32: the class of each pixel (argmax of the semantic scores)
+    panoptic: np.ndarray | None = None  # [H, W] int32: the segment id of each pixel, 0 where no segment is
+    segments: list[Segment] | None = None  # the panoptic map's segments
 
     def to_dict(self, decimals: int = 2) -> dict[str, Any]:
-        """JSON-ready; coordinates rounded to `decimals` (a hundredth of a pixel by default); absent fields dropped."""
-        d = asdict(self)
+        """JSON-ready; coordinates rounded to `decimals` (a hundredth of a pixel by default); absent fields dropped.
+        Pixel maps are not JSON: where there are some, their shape is said (serving writes them as PNG)."""
+        maps = {k: getattr(self, k) for k in ("semantic", "panoptic")}
+        d = asdict(dataclasses_replace(self, semantic=None, panoptic=None))
+        for key, value in maps.items():
+            if value is None:
+                del d[key]
+            else:
+                d[key] = {"shape": list(value.shape)}
+        if d["segments"] is None:
+            del d["segments"]
+        else:
+            d["segments"] = [{k: v for k, v in s.items() if v is not None} for s in d["segments"]]
         for inst in d["instances"]:
             for key in [k for k, v in inst.items() if v is None]:
                 del inst[key]

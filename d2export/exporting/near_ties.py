@@ -50,9 +50,11 @@ def attribute(node, name: str, default: int) -> int:
 
 def selecting_session(model_path: str | Path, session_options=None, providers=("CPUExecutionProvider",)):
     """A verification copy of the graph whose outputs also carry every top-level TopK's candidates, values and
-    indices, and every NonMaxSuppression's boxes, scores and selection, also from inside an If's branch, where
-    torchvision's batched NMS puts it (the written model is not touched): (onnxruntime session, the selecting nodes
-    in graph order; an NMS as an `Exposed` whose names are the graph outputs carrying its tensors)."""
+    indices, every NonMaxSuppression's boxes, scores and selection, also from inside an If's branch, where
+    torchvision's batched NMS puts it, and every top-level comparison of a float tensor with a constant (a hard
+    threshold inside the network: Mask2Former's attention masks) with its result (the written model is not touched):
+    (onnxruntime session, the selecting nodes in graph order; an NMS as an `Exposed` whose names are the graph
+    outputs carrying its tensors, a threshold as a `Threshold`)."""
     import onnx
     import onnxruntime as ort
 
@@ -67,10 +69,11 @@ def selecting_session(model_path: str | Path, session_options=None, providers=("
         if name not in known:
             model.graph.output.append(typed.get(name) or onnx.helper.make_tensor_value_info(name, dtype, None))
     suppressions = _expose_suppressions(model.graph)
+    thresholds = _expose_thresholds(model.graph)
     options = session_options or ort.SessionOptions()
     options.log_severity_level = 3  # the warnings were shown when the graph itself was checked
     session = ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
-    return session, nodes + suppressions
+    return session, nodes + suppressions + thresholds
 
 
 @dataclass
@@ -114,6 +117,50 @@ def _expose_suppressions(graph) -> list[Exposed]:
                         graph.output.append(helper.make_tensor_value_info(outer, dtype, None))
                     (exposed.output if slot is None else exposed.input).append(outer)
                 found.append(exposed)
+    return found
+
+
+@dataclass
+class Threshold:
+    """A comparison `values <op> threshold` in the graph ("lt", "le", "gt", "ge"), its tensors made graph outputs."""
+
+    op_type: str
+    name: str
+    input: list  # [the compared values]
+    output: list  # [the boolean result]
+    op: str
+    threshold: float
+
+
+# ONNX comparison → (its op, the op that holds with its operands swapped: c < x is x > c)
+_COMPARISONS = {"Less": ("lt", "gt"), "LessOrEqual": ("le", "ge"), "Greater": ("gt", "lt"),
+                "GreaterOrEqual": ("ge", "le")}
+
+
+def _expose_thresholds(graph) -> list[Threshold]:
+    """Each top-level comparison between a float tensor and a one-element constant: the tensor and the result become
+    graph outputs."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer if i.data_type == TensorProto.FLOAT}
+    constants.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
+                      if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"
+                      and n.attribute[0].t.data_type == TensorProto.FLOAT})
+    known = {o.name for o in graph.output}
+    found = []
+    for node in graph.node:
+        if node.op_type not in _COMPARISONS:
+            continue
+        side = next((i for i, name in enumerate(node.input) if name in constants and constants[name].size == 1), None)
+        if side is None or node.input[1 - side] in constants:
+            continue
+        values = node.input[1 - side]
+        for name, dtype in ((values, TensorProto.FLOAT), (node.output[0], TensorProto.BOOL)):
+            if name not in known:
+                graph.output.append(helper.make_tensor_value_info(name, dtype, None))
+                known.add(name)
+        found.append(Threshold(node.op_type, node.name or node.output[0], [values], [node.output[0]],
+                               _COMPARISONS[node.op_type][side == 0], float(constants[node.input[side]].reshape(()))))
     return found
 
 

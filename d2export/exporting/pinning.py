@@ -1,11 +1,13 @@
 """Verification through near-tied selections: the graph's own picks imposed on eager PyTorch.
 
-A TopK over thousands of near-equal proposal scores, or an NMS among overlapping boxes of near-equal scores, may pick
-or order candidates differently in onnxruntime and in PyTorch although both compute the same function (float noise
+A TopK over thousands of near-equal proposal scores, an NMS among overlapping boxes of near-equal scores, or a hard
+threshold inside the network (Mask2Former's attention masks: a mask probability `< 0.5`) may pick, order or flip
+candidates differently in onnxruntime and in PyTorch although both compute the same function (float noise
 differs by CPU, library and precision). Then whole detections differ and a right graph would be refused depending on
-the machine. For a case that failed, we read every TopK's and NMS's candidates and selection out of a verification
-copy of the graph (extra outputs; the written model is never touched), run eager again with `torch.topk`,
-`Tensor.topk` and torchvision's `batched_nms` answering, at the matching call, with the graph's selection, and
+the machine. For a case that failed, we read every TopK's and NMS's candidates and selection and every threshold's values and
+result out of a verification copy of the graph (extra outputs; the written model is never touched), run eager again
+with `torch.topk`, `Tensor.topk`, torchvision's `batched_nms` and the comparison operators answering, at the matching
+call, with the graph's selection, and
 compare every output again with the normal tolerances. A selection is imposed only where the graph's candidate
 values stand from eager's within the tolerances its outputs are held to, and the graph's pick is what eager's values
 give once each may move by that measured difference: float noise explains it. Anything else fails as it did.
@@ -118,12 +120,32 @@ class _GraphSuppression:
     keep: np.ndarray  # the kept candidates' indices, in the graph's order
 
 
+@dataclass
+class _GraphThreshold:
+    node: str
+    values: np.ndarray  # what the graph compared on this case
+    op: str  # "lt", "le", "gt", "ge"
+    threshold: float
+    result: np.ndarray  # bool
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.values.shape)
+
+
+_COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal}
+
+
 def graph_picks(session, nodes, names: Sequence[str], case_inputs: dict) -> tuple[dict, list]:
     """Run the verification copy (`near_ties.selecting_session`) on one case: the model's outputs by name, and each
-    TopK's and NMS's candidates and selection, in graph order."""
+    TopK's and NMS's candidates and selection and each threshold's values and result, in graph order."""
     values = dict(zip(names, session.run(None, case_inputs)))
     picks = []
     for node in nodes:
+        if isinstance(node, near_ties.Threshold):
+            picks.append(_GraphThreshold(node.name, np.asarray(values[node.input[0]]), node.op, node.threshold,
+                                         np.asarray(values[node.output[0]], bool)))
+            continue
         if node.op_type == "NonMaxSuppression":
             boxes, scores, selected = (values[n] for n in (*node.input, *node.output))
             picks.append(_GraphSuppression(node.name, np.asarray(boxes).reshape(-1, 4), np.asarray(scores).reshape(-1),
@@ -146,12 +168,14 @@ class _Pinner:
     what eager's values give once each may move by the largest such difference. Otherwise eager keeps its own pick
     and the case fails as it did."""
 
-    def __init__(self, picks: list, tolerances: Tolerances, topk: Callable, suppress: Callable):
+    def __init__(self, picks: list, tolerances: Tolerances, topk: Callable, suppress: Callable,
+                 compare: dict[str, Callable] | None = None):
         self.picks = [p for p in picks if isinstance(p, _GraphPick)]
         self.suppressions = [p for p in picks if isinstance(p, _GraphSuppression)]
-        self.tolerances, self.topk, self.suppress = tolerances, topk, suppress
-        self.next = self.next_suppression = 0
-        self.matched = 0
+        self.thresholds = [p for p in picks if isinstance(p, _GraphThreshold)]
+        self.tolerances, self.topk, self.suppress, self.compare = tolerances, topk, suppress, compare or {}
+        self.next = self.next_suppression = self.next_threshold = 0
+        self.matched = self.matched_thresholds = 0  # eager's calls matched to the graph's TopK/NMS, thresholds
         self.found: list[Pick] = []
 
     def __call__(self, input, k, dim=-1, largest=True, sorted=True, **kw):  # noqa: A002 - torch.topk's own names
@@ -183,6 +207,42 @@ class _Pinner:
                 self.found.append(pick)
                 return torch.as_tensor(g.keep, dtype=keep.dtype, device=keep.device) if pick.tied else keep
         return keep
+
+    def comparison(self, op: str, x, other):
+        """`x <op> other` (Tensor.__lt__ and its kin): matched, in order, to the next graph threshold of the same
+        shape, op and constant; where the results differ, the graph's is imposed if its compared values stand within
+        `tolerances` of eager's and every position that flipped lies, in eager's values, no further from the
+        threshold than twice the graph's largest difference there: float noise put it on the other side."""
+        result = self.compare[op](x, other)
+        if not (isinstance(other, (int, float)) and getattr(x, "is_floating_point", lambda: False)()):
+            return result
+        signature = (tuple(x.shape), op, np.float32(other))
+        for j in range(self.next_threshold, len(self.thresholds)):
+            g = self.thresholds[j]
+            if (g.shape, g.op, np.float32(g.threshold)) == signature:
+                self.next_threshold = j + 1
+                self.matched_thresholds += 1
+                return self._threshold(g, x, result)
+        return result
+
+    def _threshold(self, g: _GraphThreshold, x, result):
+        import torch
+
+        mine = result.detach().cpu().numpy()
+        if np.array_equal(mine, g.result):
+            return result
+        if not np.array_equal(_COMPARE[g.op](g.values, np.float32(g.threshold)), g.result):
+            return self._refuse(g, None, result, "the graph's result is not its own values compared")[1]
+        eager = x.detach().cpu().double().numpy()
+        noise, ok = self.tolerances.within(eager, g.values)
+        flipped = mine != g.result
+        if not ok or self.tolerances.past(eager, g.values)[flipped].any():
+            return self._refuse(g, None, result, _not_noise(noise))[1]
+        gap = float(np.abs(eager - g.threshold)[flipped].max())
+        self.found.append(Pick(g.node, int(flipped.sum()), gap, 2 * float(_difference(eager, g.values)[flipped].max())))
+        if not self.found[-1].tied:
+            return result
+        return torch.as_tensor(g.result, device=result.device)
 
     def _impose(self, g: _GraphPick, x, values, indices):
         import torch
@@ -320,12 +380,22 @@ def pinned_selections(picks: list, tolerances: Tolerances) -> Iterator[_Pinner]:
     import torchvision.ops
     import torchvision.ops.boxes as boxes
 
-    pinner = _Pinner(picks, tolerances, torch.topk, _batched_nms_as_traced)
+    operators = {op: getattr(torch.Tensor, f"__{op}__") for op in _COMPARE}
+    pinner = _Pinner(picks, tolerances, torch.topk, _batched_nms_as_traced, operators)
     method = lambda self, *a, **kw: pinner(self, *a, **kw)  # noqa: E731
-    with mock.patch.object(torch, "topk", pinner), mock.patch.object(torch.Tensor, "topk", method), \
-            mock.patch.object(boxes, "batched_nms", pinner.batched_nms), \
-            mock.patch.object(torchvision.ops, "batched_nms", pinner.batched_nms):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch, "topk", pinner))
+        stack.enter_context(mock.patch.object(torch.Tensor, "topk", method))
+        stack.enter_context(mock.patch.object(boxes, "batched_nms", pinner.batched_nms))
+        stack.enter_context(mock.patch.object(torchvision.ops, "batched_nms", pinner.batched_nms))
+        if pinner.thresholds:  # comparison operators answer through the pinner only where the graph thresholds
+            for op in operators:
+                stack.enter_context(mock.patch.object(torch.Tensor, f"__{op}__", _comparing(pinner, op)))
         yield pinner
+
+
+def _comparing(pinner: _Pinner, op: str):
+    return lambda self, other: pinner.comparison(op, self, other)
 
 
 def pin_case(case, session, nodes, names: Sequence[str], output_names: Sequence[str],
@@ -339,9 +409,11 @@ def pin_case(case, session, nodes, names: Sequence[str], output_names: Sequence[
         expected = dict(zip(output_names, rerun(case)))
     result = PinnedCase(case.name, pinner.found)
     refused = [p for p in pinner.found if not p.tied]
-    if not pinner.matched:
-        result.why = ("no torch.topk or batched NMS call of eager's matches a TopK (selected shape, k, axis) or an NMS "
-                      "(boxes) of the graph: the graph does not select what eager selects")
+    selects = pinner.picks or pinner.suppressions  # a TopK or NMS unmatched says more than thresholds that matched
+    if not (pinner.matched if selects else pinner.matched_thresholds):
+        result.why = ("no torch.topk, batched NMS or comparison of eager's matches a TopK (selected shape, k, axis), "
+                      "an NMS (boxes) or a threshold (shape, op, constant) of the graph: the graph does not select "
+                      "what eager selects")
     elif not pinner.found:
         result.why = "every selection the graph made is eager's own: the difference is not a tie"
     elif refused:
@@ -365,7 +437,7 @@ def pin_cases(path, cases, output_names: Sequence[str], rerun, judge, tolerances
     """`pin_case` for each of `cases` (the failed ones) on the graph at `path`."""
     session, nodes = near_ties.selecting_session(path, session_options)
     if not nodes:
-        return [PinnedCase(c.name, why="the graph makes no selection (TopK, NMS)") for c in cases]
+        return [PinnedCase(c.name, why="the graph makes no selection (TopK, NMS, threshold)") for c in cases]
     names = [o.name for o in session.get_outputs()]
     return [pin_case(c, session, nodes, names, output_names, rerun, judge, tolerances) for c in cases]
 

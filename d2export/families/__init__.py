@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from d2export.instances import Instance
+from d2export.instances import Instance, Prediction
 
 ENTRY_POINT_GROUP = "d2export.families"
 AUTO = "auto"  # recognise: try every family in turn
@@ -95,6 +95,13 @@ class Family:
         """Row `index` of a batch's outputs → instances in the original picture's pixels. `input_hw` is the size
         the picture had in the graph (after resizing), `original_hw` its size before."""
         raise NotImplementedError(f"family {self.name!r} has no serving-side post-processing")
+
+    def prediction(self, outputs: dict[str, np.ndarray], index: int, input_hw: tuple[int, int],
+                   original_hw: tuple[int, int], post: dict[str, Any], threshold: float) -> Prediction:
+        """Row `index` of a batch's outputs → the picture's prediction: its `instances`, and pixel maps where the
+        family makes them (segmentation)."""
+        found = self.instances(outputs, index, input_hw, original_hw, post, threshold)
+        return Prediction(int(original_hw[0]), int(original_hw[1]), found)
 
     def __repr__(self) -> str:
         return f"<family {self.name}>"

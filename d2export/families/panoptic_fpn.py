@@ -14,6 +14,7 @@ import numpy as np
 
 from d2export.families import AdapterOptions
 from d2export.families._detections import Detectron2Detections, dataset_metadata, detection_postprocess
+from d2export.families._masks import resize_bilinear
 from d2export.families.rcnn import has_rcnn_inference
 from d2export.instances import Instance, decode_mask, encode_mask
 
@@ -60,8 +61,7 @@ def stuff_regions(logits: np.ndarray, things: list[Instance], original_hw: tuple
     """detectron2's combine_semantic_and_instance_outputs, the stuff half: what the semantic argmax labels outside
     the confident things' masks, per class, where large enough."""
     combine, names = post["combine"], post.get("stuff_classes") or []
-    rows = np.matmul(_resize_weights(logits.shape[1], original_hw[0]), logits.astype(np.float32))  # [C, H', W]
-    semantic = np.matmul(rows, _resize_weights(logits.shape[2], original_hw[1]).T).argmax(0)  # [H', W']
+    semantic = resize_bilinear(logits, original_hw).argmax(0)  # [H', W']
     taken = np.zeros(original_hw, bool)
     for inst in sorted(things, key=lambda i: -i.score):
         if inst.score < combine["instances_score_threshold"]:
@@ -77,17 +77,6 @@ def stuff_regions(logits: np.ndarray, things: list[Instance], original_hw: tuple
         regions.append(Instance(score=1.0, label=int(label), class_name=names[label] if label < len(names) else None,
                                 mask=encode_mask(mask), stuff=True))
     return regions
-
-
-def _resize_weights(size: int, out: int) -> np.ndarray:
-    """[out, size] weights of F.interpolate(mode="bilinear", align_corners=False) along one axis."""
-    src = np.maximum((np.arange(out) + 0.5) * size / out - 0.5, 0.0)
-    lo = np.floor(src).astype(np.int64)
-    hi = np.minimum(lo + 1, size - 1)
-    weights = np.zeros((out, size), np.float32)
-    np.add.at(weights, (np.arange(out), lo), 1 - (src - lo))
-    np.add.at(weights, (np.arange(out), hi), src - lo)
-    return weights
 
 
 FAMILY = PanopticFPN()

@@ -7,6 +7,8 @@ finder placed *after* the real ones answers for the configured names only when n
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -64,10 +66,32 @@ def ms_deform_attn_backward(value, spatial_shapes, level_start_index, sampling_l
     return torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
 
 
+# Compiled modules that research code imports at module level for something other than MSDA, where the model does
+# not need it: `mask2former/__init__` imports its COCO evaluator, whose `fast_eval_api` imports detectron2's `_C`. The
+# stand-in makes the import succeed; any use of it says what is missing.
+IMPORT_ONLY = {"detectron2._C": "detectron2 was installed without its compiled ops (_C)"}
+
+
+def _import_only(name: str) -> types.ModuleType:
+    module = types.ModuleType(name, f"d2export stand-in for {name!r}: importable, nothing in it")
+
+    def __getattr__(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise AttributeError(f"{name}.{attr}: {IMPORT_ONLY[name]}; d2export stands in for the module only so that "
+                             "imports succeed")
+
+    module.__getattr__ = __getattr__
+    return module
+
+
 def make_stand_in(name: str) -> types.ModuleType:
-    module = types.ModuleType(name, f"d2export stand-in for the compiled MSDA extension {name!r}")
-    module.ms_deform_attn_forward = ms_deform_attn_forward
-    module.ms_deform_attn_backward = ms_deform_attn_backward
+    if name in IMPORT_ONLY:
+        module = _import_only(name)
+    else:
+        module = types.ModuleType(name, f"d2export stand-in for the compiled MSDA extension {name!r}")
+        module.ms_deform_attn_forward = ms_deform_attn_forward
+        module.ms_deform_attn_backward = ms_deform_attn_backward
     module.__d2export_stand_in__ = True
     return module
 
@@ -77,7 +101,10 @@ class _StandInLoader(importlib.abc.Loader):
         return make_stand_in(spec.name)
 
     def exec_module(self, module):
-        log.info("compiled MSDA extension %s not found: using d2export's pure-PyTorch core", module.__name__)
+        if module.__name__ in IMPORT_ONLY:
+            log.info("compiled module %s not found: an empty stand-in lets it import", module.__name__)
+        else:
+            log.info("compiled MSDA extension %s not found: using d2export's pure-PyTorch core", module.__name__)
 
 
 class CompiledOpFinder(importlib.abc.MetaPathFinder):
@@ -100,6 +127,12 @@ _finder: CompiledOpFinder | None = None
 def install(names: Iterable[str]) -> CompiledOpFinder:
     """Install (or extend) the process-wide finder. Idempotent."""
     global _finder
+    names = list(names)
+    if "detectron2._C" in names:
+        # detectron2's COCO evaluator picks its fast implementation where `fast_eval_api` imports; bound before the
+        # stand-in exists, it keeps the plain one, which runs without `_C`
+        with contextlib.suppress(ImportError):
+            importlib.import_module("detectron2.evaluation.coco_evaluation")
     if _finder is None or _finder not in sys.meta_path:
         _finder = CompiledOpFinder(names)
         sys.meta_path.append(_finder)

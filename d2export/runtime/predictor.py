@@ -161,9 +161,8 @@ class Processing:
         """As `postprocess`, given the picture's size in the graph (resized, unpadded) and its original size."""
         threshold = self.score_threshold if score_threshold is None else score_threshold
         height, width = map(int, original_hw)
-        found = self.family.instances(outputs, index, tuple(map(int, input_hw)), (height, width), self.post,
+        return self.family.prediction(outputs, index, tuple(map(int, input_hw)), (height, width), self.post,
                                       threshold)
-        return Prediction(height, width, found)
 
 
 class Predictor(Processing):

@@ -1,0 +1,94 @@
+"""Mask2Former and the segmenters built on its meta-architecture (facebookresearch/Mask2Former's `MaskFormer`):
+universal segmentation — semantic, panoptic, instance — from per-query class and mask logits.
+
+Recognised by what the model has: a backbone, `size_divisibility`, pixel normalisation, and a `sem_seg_head` whose
+pixel decoder holds multi-scale deformable attention and whose `predictor` is a masked-attention transformer decoder
+(`forward_prediction_heads`, `class_embed`, `mask_embed`, `num_queries`). The graph (d2export/tracing/maskformer.py)
+outputs what the head hands the model's post-processing:
+- `pred_logits` [N, Q, K+1]: class logits per query, the last class "no object";
+- `pred_masks` [N, Q, Hp/4, Wp/4]: mask logits per query over the padded batch (Hp, Wp: the batch padded to the
+  model's size divisibility, 32); a picture's own part is its top-left (h/4, w/4).
+The data-dependent post-processing stays out of the graph: serving computes the semantic map, the panoptic
+segments and the instances from these outputs as the model's own three inference functions do
+(d2export/families/_masks.py), with the thresholds of the model's config.
+"""
+from __future__ import annotations
+
+from d2export.families import AdapterOptions, Family, FamilyError, find_child
+
+HEAD = ("pixel_decoder", "predictor")
+DECODER = ("forward_prediction_heads", "class_embed", "mask_embed", "num_queries")
+MODEL = ("backbone", "sem_seg_head", "size_divisibility", "pixel_mean", "pixel_std")
+OUTPUT_DOCS = {"pred_logits": "class logits per query [N, Q, K+1]; the last class is 'no object'",
+               "pred_masks": "mask logits per query [N, Q, Hp/4, Wp/4] over the batch padded to the model's size "
+                             "divisibility; a picture's own part is its top-left (ceil(h/4), ceil(w/4))"}
+OUTPUT_KINDS = {"pred_logits": "logits", "pred_masks": "masks"}
+
+
+def _has_msda(module) -> bool:
+    from d2export.patching.msda_swap import is_msda
+
+    return any(is_msda(m) for m in module.modules())
+
+
+class Mask2Former(Family):
+    name = "mask2former"
+    summary = "Mask2Former-style segmenters (MaskFormer meta-architecture): class and mask logits per query"
+    priority = 30
+    output_docs = OUTPUT_DOCS
+    output_kinds = OUTPUT_KINDS
+    # seeded weights only: a random class head scores every query ~1/(K+1) and one class wins every pixel; these
+    # spread the class and mask logits as a trained model's are, so a comparison can tell graphs apart
+    seeded_scales = {"predictor.class_embed": 40.0, "predictor.mask_embed.layers.2": 8.0}
+    int8_float_scopes = ("sampling_offsets", "attention_weights")
+
+    def missing(self, model):
+        missing = [a for a in MODEL if not hasattr(model, a)]
+        if missing:
+            return f"needs {', '.join(missing)} (MaskFormer's meta-architecture)"
+        try:
+            find_child(model.sem_seg_head, HEAD, also_self=True)
+            find_child(model.sem_seg_head.predictor, DECODER, also_self=True)
+        except FamilyError as e:
+            return f"its sem_seg_head {e}"
+        if not _has_msda(model.sem_seg_head.pixel_decoder):
+            return "its pixel decoder has no multi-scale deformable attention"
+        return None
+
+    def adapter(self, model, cfg, options: AdapterOptions):
+        from d2export.tracing.maskformer import MaskFormerAdapter
+
+        pre = self.preprocess(cfg)
+        return MaskFormerAdapter(model, pre["pixel_mean"], pre["pixel_std"])
+
+    def postprocess(self, cfg):
+        from detectron2.data import MetadataCatalog
+
+        test = cfg.MODEL.MASK_FORMER.TEST
+        num_classes = int(cfg.MODEL.SEM_SEG_HEAD.NUM_CLASSES)
+        meta = MetadataCatalog.get(cfg.DATASETS.TRAIN[0]) if cfg.DATASETS.TRAIN else None
+        names = next((list(n) for n in (getattr(meta, "stuff_classes", None), getattr(meta, "thing_classes", None))
+                      if n and len(n) == num_classes), [])
+        things = getattr(meta, "thing_dataset_id_to_contiguous_id", None) or {}
+        return {"num_classes": num_classes,
+                "object_mask_threshold": float(test.OBJECT_MASK_THRESHOLD),
+                "overlap_threshold": float(test.OVERLAP_THRESHOLD),
+                "test_topk_per_image": int(cfg.TEST.DETECTIONS_PER_IMAGE),
+                "semantic_on": bool(test.SEMANTIC_ON), "panoptic_on": bool(test.PANOPTIC_ON),
+                "instance_on": bool(test.INSTANCE_ON),
+                # as the model decides it (maskformer_model.py): any of panoptic/instance forces it
+                "sem_seg_postprocess_before_inference": bool(test.SEM_SEG_POSTPROCESSING_BEFORE_INFERENCE
+                                                             or test.PANOPTIC_ON or test.INSTANCE_ON),
+                "thing_ids": sorted(int(v) for v in things.values()),
+                "class_names": names}
+
+    def prediction(self, outputs, index, input_hw, original_hw, post, threshold):
+        from d2export.families._masks import mask_prediction
+
+        return mask_prediction(outputs, index, input_hw, original_hw, post)
+
+    def instances(self, outputs, index, input_hw, original_hw, post, threshold):
+        return self.prediction(outputs, index, input_hw, original_hw, post, threshold).instances
+
+
+FAMILY = Mask2Former()

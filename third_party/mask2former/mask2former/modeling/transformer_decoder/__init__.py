@@ -1,0 +1,1 @@
+from .mask2former_transformer_decoder import MultiScaleMaskedTransformerDecoder
