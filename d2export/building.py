@@ -70,7 +70,7 @@ def import_user_code(model: ModelConfig, plugin: PluginConfig, root: Path) -> No
     from d2export.patching import compiled_ops
 
     with quiet_imports():
-        compiled_ops.install(plugin.compiled_ops)
+        compiled_ops.install(plugin.compiled_ops, plugin.import_only)
     for entry in model.sys_path:
         path = str((root / entry).resolve())
         if path not in sys.path:

@@ -51,6 +51,9 @@ class ModelConfig:
 class PluginConfig:
     compiled_ops: List[str] = opt(factory=lambda: list(DEFAULT_COMPILED_OPS),
                                   help="compiled MSDA extension modules to stand in for when missing or CPU-less")
+    import_only: List[str] = opt(factory=list, help="modules the model's code imports but never runs (detectron2._C "
+                                 "for Mask2Former's evaluator, natten, wandb): stood in for when missing; anything "
+                                 "imported from them says so when used")
     swap_msda: bool = opt(True, "point every MSDA module at d2export's traceable core")
 
 

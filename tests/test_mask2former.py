@@ -188,9 +188,28 @@ def test_detectron2s_missing_C_is_stood_in_only_to_import_and_says_so_when_used(
     from d2export.patching import compiled_ops
 
     module = compiled_ops.make_stand_in("detectron2._C")
-    with pytest.raises(AttributeError, match=r"detectron2._C.COCOevalAccumulate: detectron2 was installed without"):
-        module.COCOevalAccumulate
-    assert not hasattr(module, "ms_deform_attn_forward")
+    with pytest.raises(RuntimeError, match=r"detectron2._C.COCOevalAccumulate: detectron2 was installed without"):
+        module.COCOevalAccumulate()
+    assert module.ms_deform_attn_forward is not compiled_ops.ms_deform_attn_forward  # not an MSDA stand-in
+
+
+def test_an_import_only_module_imports_and_says_what_is_missing_when_used(monkeypatch):
+    import sys
+
+    from d2export.patching import compiled_ops
+
+    name = "natten_d2export_test"  # a name nothing installs (OneFormer imports natten for a backbone R-50 never builds)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    compiled_ops.install([], import_only=[name])
+    try:
+        exec(f"from {name} import NeighborhoodAttention2D\n"
+             "class Layer(NeighborhoodAttention2D):\n    pass", scope := {})
+        with pytest.raises(RuntimeError, match=rf"{name}.NeighborhoodAttention2D: {name} is not installed"):
+            scope["Layer"](dim=8)
+    finally:
+        compiled_ops._finder.names.discard(name)
+        compiled_ops._import_only.discard(name)
+        sys.modules.pop(name, None)
 
 
 def test_a_config_adder_that_cannot_be_loaded_is_one_clear_error(tmp_path):
@@ -211,3 +230,83 @@ def test_standing_in_for_detectron2s_C_keeps_cocos_evaluator_on_its_plain_implem
             "import detectron2._C as stub; print(c.COCOeval_opt is COCOeval, getattr(stub, '__d2export_stand_in__'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
+# --- heads built on Mask2Former's ------------------------------------------------------------------------------------
+
+def test_a_head_returning_a_tuple_with_boxes_exports_its_boxes_as_a_third_output(tmp_path):
+    """MaskDINO's head returns (outputs, denoising record) and a box per query: the adapter unwraps the tuple and
+    exports the boxes, verified against the model's own forward like the rest."""
+    import dataclasses
+
+    from d2export.tracing.maskformer import MaskFormerAdapter
+
+    built = _built(tmp_path)
+    head = built.model.sem_seg_head
+    plain = head.forward
+
+    class Pair(tuple):  # (outputs, record) that the stand-in's own forward, written for a dict, can still read
+        def __getitem__(self, key):
+            return self[0][key] if isinstance(key, str) else super().__getitem__(key)
+
+    def with_boxes(features, mask=None):
+        out = plain(features, mask)
+        return Pair((out | {"pred_boxes": out["pred_logits"][..., :4].sigmoid()}, {"denoising": None}))
+
+    head.forward = with_boxes
+    adapter = MaskFormerAdapter(built.model, *(built.family.preprocess(built.d2cfg)[k] for k in ("pixel_mean",
+                                                                                                  "pixel_std")),
+                                boxes=True)
+    manifest = pipeline.export(built.cfg, built=dataclasses.replace(built, adapter=adapter))
+    assert [o.name for o in manifest.outputs] == ["pred_logits", "pred_masks", "pred_boxes"]
+    assert manifest.verification["passed"]
+    assert {c["output"] for c in manifest.verification["cases"]} == {"pred_logits", "pred_masks", "pred_boxes"}
+
+
+def test_post_processing_from_the_config_nodes_of_mask2former_maskdino_and_oneformer():
+    from detectron2.config import CfgNode
+
+    from d2export.families.mask2former import FAMILY
+
+    test = dict(OBJECT_MASK_THRESHOLD=0.8, OVERLAP_THRESHOLD=0.8, SEMANTIC_ON=True, PANOPTIC_ON=False,
+                INSTANCE_ON=True, SEM_SEG_POSTPROCESSING_BEFORE_INFERENCE=False)
+
+    def cfg(model: dict) -> CfgNode:
+        return CfgNode({"MODEL": {"SEM_SEG_HEAD": {"NUM_CLASSES": 3}, **model}, "TEST": {"DETECTIONS_PER_IMAGE": 7},
+                        "DATASETS": {"TRAIN": ()}})
+
+    mask2former = FAMILY.postprocess(cfg({"MASK_FORMER": {"TEST": test}}))
+    maskdino = FAMILY.postprocess(cfg({"MaskDINO": {"TEST": test | {"PANOPTIC_ON": True}}}))
+    oneformer = FAMILY.postprocess(cfg({"TEST": test | {"TASK": "instance", "INSTANCE_ON": False}}))
+    assert mask2former["class_scores"] == "softmax" and "task" not in mask2former
+    assert mask2former["test_topk_per_image"] == 7 and mask2former["sem_seg_postprocess_before_inference"]
+    assert maskdino["class_scores"] == "sigmoid" and maskdino["panoptic_on"]
+    assert oneformer["task"] == "instance" and not oneformer["instance_on"]
+    with pytest.raises(ValueError, match="sigmoid"):  # never served by softmax rules
+        FAMILY.prediction({}, 0, (4, 4), (4, 4), maskdino, 0.0)
+
+
+def test_bitmask_boxes_equal_detectron2s_loop_and_follow_the_mask_count_in_a_graph(tmp_path):
+    """MaskDINO's instance configs box masks with detectron2's loop over them; the rewrite equals it (empty masks
+    included) and, traced, serves another count of masks."""
+    from detectron2.structures import BitMasks
+
+    from d2export.ops.rewrites import mask_boxes
+
+    rng = np.random.default_rng(0)
+    masks = torch.from_numpy(rng.random((9, 13, 17)) > 0.93)
+    masks[2] = False
+    masks[5] = False
+    masks[5, 12, 16] = True  # a single corner pixel
+    assert torch.equal(mask_boxes(masks), BitMasks(masks).get_bounding_boxes().tensor)
+
+    class Boxing(torch.nn.Module):
+        def forward(self, x):
+            return mask_boxes(x > 0.9)
+
+    path = tmp_path / "boxes.onnx"
+    torch.onnx.export(Boxing(), (torch.rand(3, 13, 17),), str(path), input_names=["x"], output_names=["boxes"],
+                      dynamic_axes={"x": {0: "n", 1: "h", 2: "w"}}, opset_version=17, dynamo=False)
+    x = rng.random((6, 20, 11)).astype(np.float32)
+    [got] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert np.array_equal(got, BitMasks(torch.from_numpy(x) > 0.9).get_bounding_boxes().tensor.numpy())

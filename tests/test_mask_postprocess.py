@@ -6,7 +6,6 @@ those outputs, so padding (ImageList, size divisibility 32), upsampling and the 
 from __future__ import annotations
 
 import functools
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -147,7 +146,7 @@ def differences(prediction, ref: dict, input_hw, original_hw, before: bool) -> d
     return out
 
 
-# the pieces ---------------------------------------------------------------------------------------------------------
+# the pieces -----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape, out", [((3, 7, 9), (19, 23)), ((2, 19, 7), (7, 19)), ((10, 10), (10, 10)),
                                         ((4, 40, 36), (333, 517)), ((2, 32, 40), (128, 160))])
 def test_resize_is_torch_bilinear(shape, out):
@@ -213,7 +212,7 @@ def test_inferences_are_upstreams(seed):
             assert {f.label for f in found} <= set(THINGS)
 
 
-# the whole flow -----------------------------------------------------------------------------------------------------
+# the whole flow -------------------------------------------------------------------------------------------------------
 INPUTS = [(101, 150), (120, 90)]  # one batch: padded to 128x160, masks 32x40
 ORIGINALS = [(203, 301), (240, 181)]
 
@@ -296,3 +295,10 @@ def test_bad_outputs_are_refused():
         _masks.mask_prediction(outputs, 0, (40, 20), (40, 20), post_dict(True))
     with pytest.raises(ValueError, match="the manifest says 6"):
         _masks.mask_prediction(outputs, 0, (32, 32), (32, 32), post_dict(True) | {"num_classes": 6})
+    post = post_dict(True)
+    del post["overlap_threshold"]
+    with pytest.raises(ValueError, match="no 'overlap_threshold'"):
+        _masks.mask_prediction(outputs, 0, (32, 32), (32, 32), post)
+    # what a result turned off reads is not needed
+    del post["thing_ids"], post["object_mask_threshold"]
+    assert _masks.mask_prediction(outputs, 0, (32, 32), (32, 32), post | {"panoptic_on": False}).panoptic is None

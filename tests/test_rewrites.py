@@ -368,6 +368,12 @@ def _heatmaps_and_rois(h, w):
     return [randn(n, 3, 14, 14), torch.cat([corner, corner + torch.tensor([w, h]) * (1 + randn(n, 1).abs())], 1)]
 
 
+def _bitmasks(masks):
+    from detectron2.structures import BitMasks
+
+    return BitMasks(masks)
+
+
 # patch -> [(target that needs it, or None for opt-in ones; op as users write it; inputs at (h, w); dynamic dims)]
 SIZE_GENERAL = {
     "inverse": [(Target(17), lambda a: torch.linalg.inv(a), lambda h, w: [randn(h, w, 3, 3) / 3 + torch.eye(3)],
@@ -411,6 +417,8 @@ SIZE_GENERAL = {
     "keypoints-from-heatmaps": [(Target(17), _keypoints_from_heatmaps, _heatmaps_and_rois, [[0], [0]])],
     "split-whole": [(Target(17), lambda x: x.split([len(x)])[0] * 2, lambda h, w: [randn(h, w)], [[0, 1]]),
                     (Target(17), lambda x: torch.split(x, [x.shape[2]], dim=2)[0] + 1, _image(), [[0, 2, 3]])],
+    "bitmask-boxes": [(Target(17), lambda x: _bitmasks(x > 1.5).get_bounding_boxes().tensor,
+                       lambda h, w: [randn(h, 9, w)], [[0, 2]])],  # as many masks as h: the count follows the size
 }
 SIZE_GENERAL_CASES = [(name, *case) for name, cases in SIZE_GENERAL.items() for case in cases]
 

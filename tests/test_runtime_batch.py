@@ -147,3 +147,61 @@ def test_bad_arguments_are_one_line(tiny_export, corpus, local_ray, tmp_path, ca
     assert main(["batch", model, str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_segmentation_rows_carry_maps(tiny_export, corpus, tmp_path):
+    """An actor's rows for a segmentation model (the tiny spotter's runs answered as one's): PNG bytes in Parquet,
+    base64 PNG in JSON lines, as `serve` answers; other models' rows keep their five columns. No Ray needed: the actor
+    and the JSON lines writer are called as Ray would."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pyarrow as pa
+    from test_runtime_maps import decoded, segmentation_prediction
+
+    from d2export.families import Family, get
+    from d2export.runtime.maps import read_png_map
+    from d2export.runtime.predictor import Predictor
+
+    class Segmenter(Family):
+        pixel_maps = True
+
+        def prediction(self, outputs, index, input_hw, original_hw, post, threshold):
+            return segmentation_prediction(*original_hw)
+
+    assert get("mask2former").pixel_maps and not get(tiny_export[1].family).pixel_maps
+    folder, _ = corpus
+    paths = [str(folder / "a.jpg"), str(folder / "nested" / "e.png"), str(folder / "empty.jpg")]
+    processing = batch.Processing(batch.load_manifest(tiny_export[2]))
+    prepared = batch.prepare_pictures({"path": np.array(paths, dtype=object)}, processing)
+    actor = batch.InferActor.__new__(batch.InferActor)  # what __init__ makes, without Ray's object store
+    actor.predictor = Predictor(tiny_export[2], threads=1)
+    actor.maps = False
+    assert actor(prepared).schema == batch.row_schema() and batch.row_schema().names == [
+        "path", "height", "width", "instances", "error"]
+    actor.predictor.prediction = lambda outputs, index, input_hw, original_hw, *a, **k: segmentation_prediction(
+        *map(int, original_hw))
+    actor.maps = True
+    table = actor(prepared)
+    assert table.schema == batch.row_schema(maps=True) and table.schema.field("semantic").type == pa.binary()
+    pq.write_table(table, tmp_path / "rows.parquet")
+    rows = pq.read_table(tmp_path / "rows.parquet").to_pylist()
+    for row, (h, w) in zip(rows, [(90, 150), (200, 120)]):
+        want = segmentation_prediction(h, w)
+        for key in ("semantic", "panoptic"):
+            np.testing.assert_array_equal(read_png_map(row[key]), getattr(want, key))
+        assert [s["id"] for s in json.loads(row["segments"])] == [1, 2, 3, 700]
+    assert rows[2]["error"] and rows[2]["semantic"] is None and rows[2]["segments"] is None
+
+    sink = batch.jsonl_datasink(str(tmp_path / "lines"), 1000)
+    written = io.BytesIO()
+    sink.write_block_to_file(SimpleNamespace(to_arrow=lambda: table), written)
+    lines = [json.loads(line) for line in written.getvalue().decode().splitlines()]
+    assert list(lines[0]) == ["path", "height", "width", "instances", "semantic", "panoptic", "segments"]
+    assert set(lines[2]) == {"path", "error"}
+    for line in lines[:2]:
+        want = segmentation_prediction(line["height"], line["width"])
+        for key in ("semantic", "panoptic"):
+            assert line[key]["shape"] == [line["height"], line["width"]]
+            np.testing.assert_array_equal(decoded(line[key]), getattr(want, key))
+        assert line["segments"][3]["class_name"] == "car"

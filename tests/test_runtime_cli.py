@@ -62,3 +62,60 @@ def test_cli_errors_are_one_line(tiny_export, tmp_path, capsys):
     assert main(["triton-repo", str(tiny_export[2]), str(tmp_path / "repo"), "--name", "tiny"]) == 0
     assert (tmp_path / "repo" / "tiny" / "config.pbtxt").is_file()
     assert (tmp_path / "repo" / "tiny" / "1" / "model.onnx").is_file()
+
+
+def test_infer_writes_segmentation_maps_as_png(tiny_export, tmp_path, monkeypatch, capsys):
+    from test_runtime_maps import segmentation_prediction
+
+    from d2export.runtime.maps import read_png_map
+    from d2export.runtime.predictor import Processing
+
+    # the tiny spotter's runs, answered as a segmentation model would (maps in the original picture's size)
+    monkeypatch.setattr(Processing, "prediction", lambda self, outputs, index, input_hw, original_hw, *a, **k:
+                        segmentation_prediction(*map(int, original_hw)))
+    folder = tmp_path / "pictures"
+    (folder / "more").mkdir(parents=True)
+    sizes = {"a.png": (90, 130), "more/a.png": (70, 50)}  # one stem twice: a and a_1, as --vis names them
+    for name, (h, w) in sizes.items():
+        Image.fromarray(synthetic_image(h, w, seed=1).transpose(1, 2, 0)).save(folder / name)
+    args = [str(tiny_export[2]), str(folder), "--threads", "1", "--no-progress"]
+
+    def check(lines, maps_dir):
+        assert len(lines) == 2
+        for line, stem, (h, w) in zip(lines, ["a", "a_1"], sizes.values()):
+            want = segmentation_prediction(h, w)
+            for key in ("semantic", "panoptic"):
+                entry = line[key]
+                assert entry == {"shape": [h, w], "png": str(maps_dir / f"{stem}.{key}.png")}
+                np.testing.assert_array_equal(read_png_map(Path(entry["png"]).read_bytes()), getattr(want, key))
+            assert [s["id"] for s in line["segments"]] == [1, 2, 3, 700]
+            assert [i["class_name"] for i in line["instances"]] == ["person", "car"]  # RLE masks stay in the JSON
+            assert set(line["instances"][0]["mask"]) == {"size", "counts"}
+
+    out = tmp_path / "results" / "out.jsonl"  # -o FILE: the maps beside it
+    out.parent.mkdir()
+    assert main(["infer", *args, "-o", str(out)]) == 0
+    check([json.loads(line) for line in out.read_text().splitlines()], out.parent)
+    # stdout and --vis: the maps beside the pictures of the results
+    vis = tmp_path / "vis"
+    assert main(["infer", *args, "--vis", str(vis)]) == 0
+    check([json.loads(line) for line in capsys.readouterr().out.splitlines()], vis)
+    assert sorted(p.name for p in vis.iterdir()) == ["a.panoptic.png", "a.png", "a.semantic.png", "a_1.panoptic.png",
+                                                     "a_1.png", "a_1.semantic.png"]
+    # stdout alone: ./maps; --maps: there
+    monkeypatch.chdir(tmp_path)
+    assert main(["infer", *args]) == 0
+    check([json.loads(line) for line in capsys.readouterr().out.splitlines()], Path("maps"))
+    assert main(["infer", *args, "-o", str(out), "--maps", str(tmp_path / "elsewhere")]) == 0
+    check([json.loads(line) for line in out.read_text().splitlines()], tmp_path / "elsewhere")
+
+
+def test_infer_writes_no_maps_for_other_models(tiny_export, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    picture = tmp_path / "one.png"
+    Image.fromarray(synthetic_image(60, 80, seed=2).transpose(1, 2, 0)).save(picture)
+    assert main(["infer", str(tiny_export[2]), str(picture), "--threads", "1", "--vis", "vis"]) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert set(record) == {"file", "height", "width", "instances"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.png", "vis"]
+    assert [p.name for p in (tmp_path / "vis").iterdir()] == ["one.png"]

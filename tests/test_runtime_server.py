@@ -135,3 +135,26 @@ def test_batching_joins_concurrent_requests(predictor):
         assert sum(k * n for k, n in runs.items()) == len(pictures)
         assert c.post("/predict", content=b"junk").status_code == 400  # a bad picture never reaches the batch
         assert c.post("/predict", content=pictures[0][1]).status_code == 200
+
+
+def test_segmentation_maps_come_as_base64_png(tiny_export, client):
+    from test_runtime_maps import decoded, segmentation_prediction
+
+    # a predictor of its own whose runs are answered as a segmentation model's (maps in the original size)
+    segmenter = Predictor(tiny_export[2], threads=1)
+    segmenter.prediction = lambda outputs, index, input_hw, original_hw, *a, **k: segmentation_prediction(
+        *map(int, original_hw), top_class=300)
+    _, png = encoded(96, 144, seed=5)
+    for max_batch in (1, 2):  # alone, and through the batcher
+        with serving(create_app(segmenter, max_batch=max_batch)) as url, httpx.Client(base_url=url, timeout=30) as c:
+            body = c.post("/predict", content=png).json()
+        want = segmentation_prediction(96, 144, top_class=300)
+        assert list(body) == ["height", "width", "instances", "semantic", "panoptic", "segments", "seconds"]
+        for key in ("semantic", "panoptic"):
+            assert body[key]["shape"] == [96, 144]
+            np.testing.assert_array_equal(decoded(body[key]), getattr(want, key))  # 16-bit semantic: a class > 255
+        assert body["segments"] == [{"id": s.id, "category_id": s.category_id, "isthing": s.isthing,
+                                     "class_name": s.class_name} for s in want.segments]
+        assert [i["label"] for i in body["instances"]] == [0, 1]
+    # other models' answers have no map keys
+    assert set(client.post("/predict", content=png).json()) == {"height", "width", "instances", "seconds"}

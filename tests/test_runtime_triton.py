@@ -251,3 +251,26 @@ def test_python_stages_answer_as_the_predictor(picture_repo, tiny_export, monkey
         expected = predictor.predict_batch([decode_image(p) for p in request_pictures])
         assert [json.loads(f) for f in found[:, 0]] == [json.loads(json.dumps(e.to_dict())) for e in expected]
         assert all(len(json.loads(f)["instances"]) > 0 for f in found[:, 0])
+
+
+def test_post_stage_answers_segmentation_maps_as_base64_png(picture_repo, monkeypatch):
+    import json
+
+    from test_runtime_maps import decoded, segmentation_prediction
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", StandIn)
+    repo, configs, _ = picture_repo
+    post = load_stage(repo, "spotter_post", configs["spotter_post"])
+    # the stage's family post-processing answered as a segmentation model's
+    post.processing.prediction = lambda outputs, index, input_hw, original_hw, *a, **k: segmentation_prediction(
+        *map(int, original_hw))
+    sizes = np.array([[64, 96], [80, 40]], np.int64)
+    carried = [StandIn.Tensor(name, np.zeros((2, 1), np.float32)) for name in post.processing.output_names]
+    carried += [StandIn.Tensor("input_sizes", sizes), StandIn.Tensor("original_sizes", sizes)]
+    (answer,) = post.execute([StandIn.InferenceRequest(carried)])
+    for found, (h, w) in zip(answer.outputs["INSTANCES"][:, 0], sizes.tolist()):
+        body, want = json.loads(found), segmentation_prediction(h, w)
+        for key in ("semantic", "panoptic"):
+            assert body[key]["shape"] == [h, w]
+            np.testing.assert_array_equal(decoded(body[key]), getattr(want, key))
+        assert [s["id"] for s in body["segments"]] == [1, 2, 3, 700]

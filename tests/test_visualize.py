@@ -78,3 +78,48 @@ def test_side_by_side_keeps_both_pictures():
 def test_labels_avoid_the_title():
     boxes = place_labels([(0, 0, 20, 10)] * 3, [(40, 12)] * 3, 200, 100, avoid=[(0, 0, 60, 20)])
     assert len(boxes) == 3 and all(_overlap(b, (0, 0, 60, 20)) == 0 for b in boxes)
+
+
+def test_interior_point_lies_deep_inside():
+    from d2export.runtime.visualize import interior_point
+
+    y, x = np.mgrid[0:200, 0:300]
+    ring = ((y - 100) ** 2 + (x - 150) ** 2 < 80 ** 2) & ((y - 100) ** 2 + (x - 150) ** 2 > 50 ** 2)
+    ell = np.zeros((200, 300), bool)
+    ell[20:180, 20:60] = ell[140:180, 20:280] = True
+    for mask in (ring, ell):
+        px, py = interior_point(mask)
+        assert mask[int(py), int(px)]
+        # deep: at least 10 pixels from the region's edge (the ring is 30 wide, the L 40)
+        assert mask[((y - py) ** 2 + (x - px) ** 2) <= 10 ** 2].all()
+    dot = np.zeros((50, 50), bool)
+    dot[7, 9] = True  # thinner than the erosion grid: still found
+    assert interior_point(dot) == (9.0, 7.0)
+    assert interior_point(np.zeros((5, 5), bool)) is None
+
+
+@pytest.mark.parametrize("kind", ["panoptic", "semantic"])
+def test_segmentation_maps_are_translucent_regions_labelled_once(kind):
+    from test_runtime_maps import NAMES, segmentation_prediction
+
+    from d2export.runtime.visualize import _colour
+
+    prediction = segmentation_prediction(240, 320)
+    prediction.instances = []  # the regions alone: each label's colour is its region's
+    if kind == "semantic":
+        prediction.panoptic = prediction.segments = None
+        regions = {c: prediction.semantic == c for c in range(5)}
+    else:
+        regions = {s.id: prediction.panoptic == s.id for s in prediction.segments}
+    image = np.full((240, 320, 3), 255, np.uint8)
+    picture = np.asarray(draw_prediction(image, prediction, class_names=NAMES))
+    for key, mask in regions.items():
+        colour = np.array(_colour(key))
+        tinted = np.round(0.6 * 255 + 0.4 * colour)
+        assert (np.abs(picture[mask].astype(int) - tinted).max(-1) <= 1).mean() > 0.7  # mostly the tint (labels on top)
+        label = np.all(picture == colour, axis=-1)  # a label's box is filled with its region's own colour
+        ys, xs = np.nonzero(label)
+        assert len(ys) > 50, key
+        # one label, lying on its region
+        assert ys.max() - ys.min() < 40 and mask[int(np.median(ys)), int(np.median(xs))], key
+    assert (picture[prediction.panoptic == 0] == 255).all() if kind == "panoptic" else True  # void stays clear

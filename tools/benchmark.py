@@ -12,6 +12,8 @@ SUBCOMMANDS = {  # subcommand -> ("module:function", one line)
     "e2e": ("benchmarks.e2e:main", "the whole exported model against eager PyTorch: time, parity, float16"),
     "serve": ("benchmarks.serve:main", "the runtime: direct calls, HTTP, HTTP with batching"),
     "batch": ("benchmarks.batch:main", "infer against batch (Ray Data actors x threads): pictures/s"),
+    "segmentation": ("benchmarks.segmentation:main", "Mask2Former-style segmenters: graph and served results against "
+                     "the model's own forward, latency"),
     "gpu": ("benchmarks.gpu:main", "on an NVIDIA GPU: eager (compiled kernel, plugin) against onnxruntime CUDA"),
 }
 
@@ -19,7 +21,7 @@ SUBCOMMANDS = {  # subcommand -> ("module:function", one line)
 def usage() -> str:
     lines = [f"usage: benchmark.py {{{','.join(SUBCOMMANDS)}}} [args …]", "", __doc__.splitlines()[0], "",
              "subcommands:"]
-    return "\n".join(lines + [f"  {name:<7}{what}" for name, (_, what) in SUBCOMMANDS.items()])
+    return "\n".join(lines + [f"  {name:<13}{what}" for name, (_, what) in SUBCOMMANDS.items()])
 
 
 def main(argv=None):

@@ -1,4 +1,5 @@
-"""`d2export synth text|boxes`: a labelled synthetic set written as COCO JSON beside its pictures.
+"""`d2export synth text|boxes`: a labelled synthetic set written as COCO JSON beside its pictures (and, for boxes on
+request, per-pixel labels: semantic PNGs, COCO-panoptic PNGs and JSON).
 
 Picture i is drawn from its own random stream, seeded by (seed, i), so the files are the same bytes for the same
 arguments whatever the number of workers. Everything is written into a temporary folder beside the destination and
@@ -20,6 +21,10 @@ import numpy as np
 KINDS = ("text", "boxes")
 ANNOTATIONS = "annotations.json"
 IMAGES = "images"
+SEMANTIC = "semantic"  # per picture a PNG: each pixel's contiguous class, IGNORE_LABEL void
+IGNORE_LABEL = 255  # as detectron2's and Mask2Former's COCO semantic maps have it
+PANOPTIC = "panoptic"  # per picture a PNG: each pixel's segment id as R + 256·G + 256²·B, 0 void (COCO panoptic)
+PANOPTIC_JSON = "panoptic.json"  # COCO panoptic: each picture's segments_info, the categories with isthing
 JPEG_QUALITY = 92
 
 
@@ -43,19 +48,35 @@ def rng(kind: str, seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, KINDS.index(kind), index])
 
 
-def _picture(job: tuple[str, int, int, int, int]) -> tuple[bytes, list[dict]]:
-    """One picture, encoded, with its COCO annotations (no ids yet): what a worker returns."""
+def _encode(ext: str, img: np.ndarray, index: int, *params: int) -> bytes:
+    import cv2
+
+    ok, data = cv2.imencode(ext, img, list(params))
+    if not ok:
+        raise RuntimeError(f"could not encode picture {index} as {ext}")
+    return data.tobytes()
+
+
+def _picture(job: tuple) -> tuple[bytes, list[dict], tuple[bytes, bytes, list[dict]] | None]:
+    """One picture, encoded, with its COCO annotations (no ids yet) and, where the job's optional sixth item asks,
+    its per-pixel labels (semantic PNG, panoptic PNG, segments_info; else None): what a worker returns."""
     import cv2
 
     cv2.setNumThreads(1)
-    kind, seed, index, width, height = job
-    img, instances = draw(kind, seed, index, width, height)
+    kind, seed, index, width, height, *per_pixel = job
     module = _module(kind)
-    anns = [a for a in map(module.annotation, instances) if a is not None]
-    ok, jpeg = cv2.imencode(".jpg", img[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY])
-    if not ok:
-        raise RuntimeError(f"could not encode picture {index}")
-    return jpeg.tobytes(), anns
+    if per_pixel and per_pixel[0]:
+        img, instances, stuff = module.scene(rng(kind, seed, index), width, height)
+    else:
+        (img, instances), stuff = draw(kind, seed, index, width, height), None
+    labelled = [(i, a) for i, a in zip(instances, map(module.annotation, instances)) if a is not None]
+    jpeg = _encode(".jpg", img[..., ::-1], index, cv2.IMWRITE_JPEG_QUALITY, JPEG_QUALITY)
+    labels = None
+    if stuff is not None:
+        semantic, panoptic, segments = module.pixel_labels([i for i, _ in labelled], stuff, height, width)
+        rgb = np.stack([panoptic % 256, panoptic // 256 % 256, panoptic // 65536], axis=-1).astype(np.uint8)
+        labels = _encode(".png", semantic, index), _encode(".png", rgb[..., ::-1], index), segments
+    return jpeg, [a for _, a in labelled], labels
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -71,15 +92,18 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[int, int] = (640, 640),
-             workers: int | None = None, vis: int = 0, force: bool = False) -> Path:
+             workers: int | None = None, vis: int = 0, force: bool = False, segmentation: bool = False) -> Path:
     """Write `count` pictures of the kind and their COCO JSON into `out` (images/, annotations.json; vis/ with the
-    labels drawn on the first `vis` pictures). Returns `out`."""
+    labels drawn on the first `vis` pictures; with `segmentation` (boxes only) also semantic/, panoptic/ and
+    panoptic.json). Returns `out`."""
     from d2export.progress import steps
 
     module = _module(kind)
     out = Path(out)
     if count < 1:
         raise ValueError(f"count must be at least 1 (got {count})")
+    if segmentation and not hasattr(module, "scene"):
+        raise ValueError(f"--segmentation: the {kind} set has no per-pixel labels (the boxes set has)")
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty (--force replaces it)")
     width, height = size
@@ -88,17 +112,26 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (tmp / IMAGES).mkdir()
-        images, annotations = [], []
-        jobs = [(kind, seed, i, width, height) for i in range(count)]
+        if segmentation:
+            (tmp / SEMANTIC).mkdir()
+            (tmp / PANOPTIC).mkdir()
+        images, annotations, panoptic = [], [], []
+        jobs = [(kind, seed, i, width, height, segmentation) for i in range(count)]
         pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
         results = pool.map(_picture, jobs, chunksize=8) if pool else map(_picture, jobs)
         try:
-            for i, (jpeg, anns) in enumerate(steps(results, f"synth {kind}", total=count)):
+            for i, (jpeg, anns, labels) in enumerate(steps(results, f"synth {kind}", total=count)):
                 name = f"{i:06d}.jpg"
                 (tmp / IMAGES / name).write_bytes(jpeg)
                 images.append({"id": i + 1, "file_name": name, "width": width, "height": height})
                 for a in anns:
                     annotations.append({"id": len(annotations) + 1, "image_id": i + 1, **a})
+                if labels:
+                    semantic, ids, segments = labels
+                    png = f"{i:06d}.png"
+                    (tmp / SEMANTIC / png).write_bytes(semantic)
+                    (tmp / PANOPTIC / png).write_bytes(ids)
+                    panoptic.append({"image_id": i + 1, "file_name": png, "segments_info": segments})
         finally:
             if pool:
                 pool.shutdown(cancel_futures=True)
@@ -109,6 +142,9 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
                         vocabulary_size=len(module.VOCABULARY), alphabet=module.ALPHABET)
         coco = {"info": info, "images": images, "annotations": annotations, "categories": module.CATEGORIES}
         (tmp / ANNOTATIONS).write_text(json.dumps(coco, separators=(",", ":")))
+        if segmentation:
+            pan = {"info": info, "images": images, "annotations": panoptic, "categories": module.PANOPTIC_CATEGORIES}
+            (tmp / PANOPTIC_JSON).write_text(json.dumps(pan, separators=(",", ":")))
         if vis:
             from d2export.datasets.drawing import draw_set
 
@@ -138,11 +174,14 @@ def synth_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=0, help="processes (default: one per CPU core)")
     ap.add_argument("--vis", type=int, nargs="?", const=8, default=0, metavar="N",
                     help="also draw the labels on the first N pictures into DIR/vis (N: 8 when omitted; default 0)")
+    ap.add_argument("--segmentation", action="store_true", help=f"boxes: also per-pixel labels, the shapes as "
+                    f"things and the bars and background as stuff: DIR/{SEMANTIC}/*.png (each pixel's class, 255 "
+                    f"void), DIR/{PANOPTIC}/*.png and DIR/{PANOPTIC_JSON} (COCO panoptic)")
     ap.add_argument("--force", action="store_true", help="replace a destination that is not empty")
     args = ap.parse_args(argv)
     try:
-        out = generate(args.kind, args.out or f"data/synth_{args.kind}", args.count, args.seed, parse_size(args.size), args.workers or None,
-                       args.vis, args.force)
+        out = generate(args.kind, args.out or f"data/synth_{args.kind}", args.count, args.seed, parse_size(args.size),
+                       args.workers or None, args.vis, args.force, args.segmentation)
     except (ValueError, FileExistsError) as e:
         print(one_line(e), file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """`d2export evaluate`: a dataset's accuracy under PyTorch and under each exported model, side by side.
 
     d2export evaluate MODEL [MODEL …] --dataset NAME|FOLDER [--config CFG [overrides …]] [--max-images N]
-        [--evaluator text|coco|module:Class] [--vis DIR] [--json FILE]
+        [--evaluator text|coco|segmentation|module:Class] [--vis DIR] [--json FILE]
 
 Exit status 0 when it ran (whatever the metrics say), 2 on bad input.
 """
@@ -159,7 +159,8 @@ def write_vis(folder: Path, reference, run, comparison: dict) -> list[Path]:
 
 PRECISIONS = {"fp32": [], "fp16": ["export.fp16=true"], "int8": ["export.int8=dynamic"],
               "int8-static": ["export.int8=static"]}  # the last needs export.calibration=FOLDER among the overrides
-PLOTTED = ("bbox/AP", "text/e2e_hmean", "text/det_hmean")  # the first a run reports is drawn
+# the first of these every run reports is drawn
+PLOTTED = ("bbox/AP", "text/e2e_hmean", "text/det_hmean", "panoptic_seg/PQ", "sem_seg/mIoU", "segm/AP")
 
 
 def export_precisions(config: str, overrides: Sequence[str], precisions: Sequence[str], root: Path) -> list[Path]:
@@ -223,7 +224,7 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
     import importlib
 
     from d2export import families
-    from d2export.evaluating.evaluators import build_evaluator
+    from d2export.evaluating.evaluators import build_evaluator, segmentation_tasks
     from d2export.cpu import describe_cpu
     from d2export.evaluating.runs import onnx_run, pytorch_run
     from d2export.manifest import Manifest, manifest_path
@@ -265,8 +266,11 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
         outputs = set(built.adapter.output_names) if built else {t.name for m in manifests for t in m.outputs}
         from detectron2.data import MetadataCatalog
 
-        tasks = ("bbox",) + (("segm",) if "masks" in outputs else ()) + (
-            ("keypoints",) if "keypoints" in outputs and MetadataCatalog.get(name).get("keypoint_names") else ())
+        if kind == "segmentation":  # what the dataset's ground truth allows
+            tasks = segmentation_tasks(name)
+        else:
+            tasks = ("bbox",) + (("segm",) if "masks" in outputs else ()) + (
+                ("keypoints",) if "keypoints" in outputs and MetadataCatalog.get(name).get("keypoint_names") else ())
         ids = [r["image_id"] for r in records]
         d2cfg = built.d2cfg if built else None
 
@@ -318,8 +322,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-root", default=None, metavar="DIR", help="its pictures (default: none)")
     ap.add_argument("--config", default=None, help="also run the PyTorch model as `d2export export --config` builds "
                     "it (default: exported models only)")
-    ap.add_argument("--evaluator", default=None, help="text, coco, or module:Class (a detectron2 DatasetEvaluator "
-                    "of yours) (default: the model family's)")
+    ap.add_argument("--evaluator", default=None, help="text, coco, segmentation (mIoU, PQ, mask AP), or "
+                    "module:Class (a detectron2 DatasetEvaluator of yours) (default: the model family's)")
     ap.add_argument("--imports", default="", help="comma-separated modules to import first, e.g. the one that "
                     "registers your dataset (default: none)")
     ap.add_argument("--max-images", type=int, default=0, help="evaluate the first N pictures (default: 0, all)")

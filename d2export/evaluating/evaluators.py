@@ -1,6 +1,7 @@
 """The metrics `d2export evaluate` reports, all through detectron2's `DatasetEvaluator` interface: COCO's for boxes,
-masks and keypoints, d2export's text evaluator for text spotters (a family's `evaluator` says which), or the user's
-own class (`--evaluator module:Class`, constructed as detectron2 training code constructs evaluators)."""
+masks and keypoints, d2export's text evaluator for text spotters, the segmentation evaluator for segmenters (mIoU,
+PQ, mask AP; a family's `evaluator` says which), or the user's own class (`--evaluator module:Class`, constructed as
+detectron2 training code constructs evaluators)."""
 from __future__ import annotations
 
 import importlib
@@ -12,8 +13,11 @@ import numpy as np
 from detectron2.evaluation import DatasetEvaluator
 
 from d2export.charset import charset, decode
+from d2export.evaluating import panoptic_quality as pq
 from d2export.evaluating.convert import to_prediction
 from d2export.evaluating.text_metrics import Counts, Word, count
+
+KINDS = ("coco", "text", "segmentation")
 
 
 def ground_truth_words(record: dict, voc_size: int) -> list[Word]:
@@ -89,12 +93,153 @@ class Over(DatasetEvaluator):
         return self.inner.evaluate(img_ids=self.image_ids)
 
 
+class PanopticQualityEvaluator(DatasetEvaluator):
+    """PQ, SQ and RQ (panoptic_quality.py) of a model's `panoptic_seg` — (ids [H, W], segments_info with contiguous
+    category ids), or segments_info None with ids category · label_divisor + instance and -1 void, as detectron2's
+    COCOPanopticEvaluator reads it — against the records' `pan_seg_file_name` and `segments_info` (detectron2's
+    COCO-panoptic records). The categories are the metadata's things and stuff (contiguous ids)."""
+
+    def __init__(self, dataset_name: str):
+        from detectron2.data import DatasetCatalog, MetadataCatalog
+
+        meta = MetadataCatalog.get(dataset_name)
+        things = set(meta.thing_dataset_id_to_contiguous_id.values())
+        stuff = set(getattr(meta, "stuff_dataset_id_to_contiguous_id", {}).values())
+        self._categories = {c: c in things for c in sorted(things | stuff)}
+        self._label_divisor = int(getattr(meta, "label_divisor", 1000))
+        self._truth = {r["image_id"]: (r["pan_seg_file_name"], r["segments_info"])
+                       for r in DatasetCatalog.get(dataset_name) if "pan_seg_file_name" in r}
+        self.reset()
+
+    def reset(self) -> None:
+        self._stats: dict[int, pq.Stat] = {}
+
+    def process(self, inputs, outputs) -> None:
+        from PIL import Image
+
+        for given, out in zip(inputs, outputs):
+            ids, segments = out["panoptic_seg"]
+            ids = np.asarray(ids.cpu() if hasattr(ids, "cpu") else ids, np.int64)
+            if segments is None:  # detectron2's other convention (see the class's docstring)
+                segments = [{"id": int(i) + 1, "category_id": int(i) // self._label_divisor} for i in np.unique(ids)
+                            if i != -1]
+                ids = ids + 1
+            png, truth_segments = self._truth[given["image_id"]]
+            truth = pq.rgb_to_id(np.asarray(Image.open(png).convert("RGB")))
+            self._stats = pq.accumulate(self._stats, pq.count(truth, truth_segments, ids, segments))
+
+    def evaluate(self):
+        return OrderedDict(panoptic_seg=pq.summary(self._stats, self._categories))
+
+
+def _read_labels(path: str, dtype=int) -> np.ndarray:
+    """A semantic ground-truth PNG as SemSegEvaluator reads it: its own reader asks numpy 2 for np.array(copy=False)
+    of a Pillow image, which numpy 2 refuses."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return np.array(image, dtype=dtype)  # a copy: the evaluator writes into it
+
+
+def _semantic_summary(results: dict) -> dict:
+    """SemSegEvaluator's figures without its per-class accuracy and boundary IoU (four rows a class: 532 for COCO's
+    133): mIoU, fwIoU, mACC, pACC and the IoU of each class."""
+    return {k: v for k, v in results.items() if not k.startswith(("ACC-", "BoundaryIoU-", "min(IoU, B-Iou)-"))}
+
+
+def segmentation_tasks(dataset_name: str) -> tuple[str, ...]:
+    """What the segmentation evaluator can score on a dataset, by the ground truth its records carry: "sem_seg"
+    (every record has `sem_seg_file_name`), "panoptic_seg" (some have `pan_seg_file_name`), "segm" (some have
+    instance annotations)."""
+    from detectron2.data import DatasetCatalog
+
+    records = DatasetCatalog.get(dataset_name)
+    tasks = (("sem_seg",) if records and all("sem_seg_file_name" in r for r in records) else ()) + \
+            (("panoptic_seg",) if any("pan_seg_file_name" in r for r in records) else ()) + \
+            (("segm",) if any(r.get("annotations") for r in records) else ())
+    if not tasks:
+        raise ValueError(f"dataset {dataset_name!r} has no segmentation ground truth (sem_seg_file_name, "
+                         "pan_seg_file_name or instance annotations); `d2export synth boxes --segmentation` writes a "
+                         "set with all three")
+    return tasks
+
+
+class SegmentationEvaluator(DatasetEvaluator):
+    """A segmenter's three results, each scored where the dataset has its ground truth (`segmentation_tasks`) and
+    the model returned it: `sem_seg` ([K, H, W] scores, read through their argmax) by detectron2's SemSegEvaluator
+    (mIoU, fwIoU, mACC, pACC, IoU per class), `panoptic_seg` by PanopticQualityEvaluator (PQ, SQ, RQ, things and
+    stuff), `instances` by COCO's evaluator on masks (segm AP; only `image_ids` where given)."""
+
+    def __init__(self, dataset_name: str, image_ids: list | None = None):
+        from detectron2.data import MetadataCatalog
+        from detectron2.evaluation import COCOEvaluator, SemSegEvaluator
+
+        meta = MetadataCatalog.get(dataset_name)
+        self.tasks = segmentation_tasks(dataset_name)
+        self._dataset, self._classes = dataset_name, len(getattr(meta, "stuff_classes", ()))
+        self._things = set(getattr(meta, "thing_dataset_id_to_contiguous_id", {}).values())
+        self._parts: dict[str, DatasetEvaluator] = {}  # keyed by the output each reads
+        if "sem_seg" in self.tasks:
+            self._parts["sem_seg"] = SemSegEvaluator(dataset_name, distributed=False, output_dir=None,
+                                                     sem_seg_loading_fn=_read_labels)
+        if "panoptic_seg" in self.tasks:
+            self._parts["panoptic_seg"] = PanopticQualityEvaluator(dataset_name)
+        if "segm" in self.tasks:
+            coco = COCOEvaluator(dataset_name, tasks=("segm",), distributed=False, output_dir=None)
+            self._parts["instances"] = Over(coco, image_ids) if image_ids is not None else coco
+        self.reset()
+
+    def reset(self) -> None:
+        self._seen: set[str] = set()
+        for part in self._parts.values():
+            part.reset()
+
+    def _instances(self, instances):
+        """COCO's evaluator reads boxes (Mask2Former's are zeros, the runtime's absent: zeros) and takes every class
+        for a thing of the dataset's instance JSON: stuff classes are left out, as they have no instance truth."""
+        import torch
+        from detectron2.structures import Boxes
+
+        instances = instances.to("cpu")
+        if not instances.has("pred_boxes"):
+            instances.pred_boxes = Boxes(torch.zeros((len(instances), 4)))
+        things = torch.as_tensor(sorted(self._things), dtype=torch.int64)
+        return instances[torch.isin(instances.pred_classes.long(), things)]
+
+    def process(self, inputs, outputs) -> None:
+        for key, part in self._parts.items():
+            pairs = [(given, out) for given, out in zip(inputs, outputs) if key in out]
+            if not pairs:
+                continue
+            self._seen.add(key)
+            if key == "sem_seg":
+                for _, out in pairs:
+                    if out["sem_seg"].shape[0] > self._classes:
+                        raise ValueError(f"the model scores {out['sem_seg'].shape[0]} classes per pixel, but dataset "
+                                         f"{self._dataset!r} has {self._classes}: evaluate on a set of its classes")
+            if key == "instances":
+                pairs = [(given, {"instances": self._instances(out["instances"])}) for given, out in pairs]
+            part.process([given for given, _ in pairs], [out for _, out in pairs])
+
+    def evaluate(self):
+        results = OrderedDict()
+        for key, part in self._parts.items():
+            if key in self._seen:
+                results.update(part.evaluate() or {})
+        if "sem_seg" in results:
+            results["sem_seg"] = _semantic_summary(results["sem_seg"])
+        return results
+
+
 def build_evaluator(kind: str, dataset_name: str, post: dict[str, Any], tasks: tuple[str, ...], cfg: Any,
                     output_dir: str, image_ids: list | None = None) -> DatasetEvaluator:
-    """`kind`: "text", "coco" (over `tasks`, and only `image_ids` where given) or "module:Class" (the user's: given
-    the dataset name and whichever of cfg, distributed=False, output_dir and tasks its constructor takes)."""
+    """`kind`: "text", "coco" (over `tasks`, and only `image_ids` where given), "segmentation" (what the dataset's
+    ground truth allows of mIoU, PQ and mask AP; see SegmentationEvaluator) or "module:Class" (the user's: given the
+    dataset name and whichever of cfg, distributed=False, output_dir and tasks its constructor takes)."""
     if kind == "text":
         return TextSpottingEvaluator(dataset_name, post)
+    if kind == "segmentation":
+        return SegmentationEvaluator(dataset_name, image_ids)
     if kind == "coco":
         from detectron2.evaluation import COCOEvaluator
 
@@ -102,7 +247,7 @@ def build_evaluator(kind: str, dataset_name: str, post: dict[str, Any], tasks: t
         return Over(coco, image_ids) if image_ids is not None else coco
     module, _, name = kind.partition(":")
     if not name:
-        raise ValueError(f"--evaluator {kind!r}: write it as module:Class (or text, coco)")
+        raise ValueError(f"--evaluator {kind!r}: write it as module:Class (or {', '.join(KINDS)})")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:

@@ -1,7 +1,8 @@
 """One evaluation run: a model over a dataset's pictures, through an evaluator. The PyTorch run is detectron2's own
 `inference_on_dataset` over the model as export builds it, fed as detectron2's test-time `DatasetMapper` feeds it;
 an exported model's run goes through the serving runtime's `Predictor`, its predictions handed to the same kind of
-evaluator as detectron2 `Instances`. Every run also keeps its predictions (`Prediction`s) for the comparison."""
+evaluator as the output dict the model's own inference gives (`Instances`, and a segmenter's maps). Every run also
+keeps its predictions (`Prediction`s, detections in score order) for the comparison."""
 from __future__ import annotations
 
 import math
@@ -13,7 +14,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from detectron2.evaluation import DatasetEvaluator, DatasetEvaluators
 
-from d2export.evaluating.convert import to_instances, to_prediction
+from d2export.evaluating.convert import prediction_of, to_outputs
 from d2export.instances import Prediction
 from d2export.progress import steps
 
@@ -45,6 +46,13 @@ def flatten(results: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return flat
 
 
+def by_score(prediction: Prediction) -> Prediction:
+    """Its detections in score order (stable), on both sides of a comparison, which pairs them one by one: most
+    models return them so, but Mask2Former's top-k leaves them unsorted and the runtime sorts them."""
+    prediction.instances.sort(key=lambda i: -i.score)
+    return prediction
+
+
 class _Keep(DatasetEvaluator):
     """Keeps what the model returned, as Predictions in dataset order."""
 
@@ -55,7 +63,7 @@ class _Keep(DatasetEvaluator):
         self.predictions = []
 
     def process(self, inputs, outputs) -> None:
-        self.predictions += [to_prediction(o["instances"].to("cpu"), self.post) for o in outputs]
+        self.predictions += [by_score(prediction_of(o, self.post)) for o in outputs]
 
     def evaluate(self):
         return None
@@ -138,8 +146,8 @@ def onnx_run(model_path: Path, records: Sequence[dict], make_evaluator: Callable
         started = time.perf_counter()
         prediction = predictor.predict(image)
         seconds.append(time.perf_counter() - started)
-        predictions.append(prediction)
-        evaluator.process([record], [{"instances": to_instances(prediction, post)}])
+        predictions.append(by_score(prediction))
+        evaluator.process([record], [to_outputs(prediction, post)])
     return Run(model_path.parent.name, predictor.manifest.precision, flatten(evaluator.evaluate()), predictions,
                str(model_path), median_ms(seconds), threads)
 
@@ -152,10 +160,14 @@ def _points(prediction: Prediction) -> list[np.ndarray]:
     return out
 
 
+MAP_SHARE = 0.001  # pixel maps differing in more of their pixels than this differ
+
+
 def difference(a: Prediction, b: Prediction, pixels: float = 0.5) -> tuple[float, str] | None:
     """How two predictions of one picture differ, as (severity, what), or None where they agree: the number of
-    detections, a class or a transcription, points more than `pixels` apart, masks differing in over 1% of their
-    area. Severity orders the worst first: a count difference above all, then labels and text, then distance."""
+    detections, a class or a transcription, the panoptic segments (id and class), points more than `pixels` apart,
+    masks differing in over 1% of their area, semantic or panoptic maps in over MAP_SHARE of their pixels. Severity
+    orders the worst first: a count difference above all, then labels and text, then masks, maps and distance."""
     if len(a.instances) != len(b.instances):
         return 1e6 + abs(len(a.instances) - len(b.instances)), f"{len(a.instances)} vs {len(b.instances)} detections"
     for x, y in zip(a.instances, b.instances):
@@ -163,6 +175,15 @@ def difference(a: Prediction, b: Prediction, pixels: float = 0.5) -> tuple[float
             return 1e5, f"class {x.label} vs {y.label}"
         if (x.text or "") != (y.text or ""):
             return 1e5, f"text {x.text!r} vs {y.text!r}"
+    segments = [[(s.id, s.category_id) for s in p.segments or []] for p in (a, b)]
+    if segments[0] != segments[1]:
+        return 1e5, f"panoptic segments {len(segments[0])} vs {len(segments[1])} (ids, classes)"
+    for key in ("semantic", "panoptic"):
+        x, y = getattr(a, key), getattr(b, key)
+        if x is not None and y is not None:
+            share = float(np.mean(x != y)) if x.shape == y.shape else 1.0
+            if share > MAP_SHARE:
+                return 1e4 * share, f"{key} maps differ in {share:.2%} of their pixels"
     gap = max((float(np.abs(p - q).max()) for p, q in zip(_points(a), _points(b)) if p.size and p.shape == q.shape),
               default=0.0)
     masks = [(x.mask, y.mask) for x, y in zip(a.instances, b.instances) if x.mask and y.mask]

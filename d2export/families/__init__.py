@@ -62,6 +62,8 @@ class Family:
     # seeded random weights only: standardise the outputs of normalisation layers with fixed statistics on the dummy
     # picture (building.condition_seeded), where random deep backbones blow activations (and float noise) up
     seeded_norms: bool = False
+    # its predictions hold per-pixel maps (`Prediction.semantic`, `.panoptic`): batch jobs give them columns of their own
+    pixel_maps: bool = False
     # `d2export evaluate`'s default metric: "coco" (COCOEvaluator: boxes, masks, keypoints) or "text" (d2export's
     # text spotting evaluator)
     evaluator: str = "coco"

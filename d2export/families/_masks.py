@@ -13,22 +13,27 @@ logits over the batch's padded size (Hp, Wp):
   4. `instance_inference`: the top-k (query, class) pairs, things only when panoptic is on, masks where the logit is
      > 0, scored class probability × the mask's mean probability.
 
-Where upstream does not postprocess before inference, its panoptic map and instance masks are in padded input pixels;
-d2export computes them there (the same segments, instances and scores) and then maps them to the original picture
-(cropped to (h, w), resized nearest), so a `Prediction`'s maps are always the original picture's size.
+Upstream's from_config turns postprocessing before inference on whenever panoptic or instance results are; were it
+off, upstream's panoptic map and instance masks would be in padded input pixels: d2export computes them there (the
+same segments, instances and scores) and then maps them to the original picture (cropped to (h, w), resized
+nearest), so a `Prediction`'s maps are always the original picture's size.
 
-The manifest's post-processing section (`post`), as `mask_prediction` reads it:
-  num_classes                           K, the classes before "no object" (pred_logits' last axis is K + 1)
+The manifest's post-processing section (`post`), as `mask_prediction` reads it (MODEL.MASK_FORMER.TEST.* in
+Mask2Former's config; every key but class_names required where it is used, none guessed):
+  num_classes                           K, the classes before "no object" (pred_logits' last axis is K + 1;
+                                        MODEL.SEM_SEG_HEAD.NUM_CLASSES)
+  semantic_on, panoptic_on, instance_on which results to make (SEMANTIC_ON, PANOPTIC_ON, INSTANCE_ON)
+  sem_seg_postprocess_before_inference  resize the masks to the original picture before inference, else the
+                                        semantic scores after it (SEM_SEG_POSTPROCESSING_BEFORE_INFERENCE)
   object_mask_threshold                 panoptic: a query is kept when its best class is not "no object" and its
-                                        probability is > this (Mask2Former's TEST.OBJECT_MASK_THRESHOLD)
-  overlap_threshold                     panoptic: a segment is dropped when it keeps < this fraction of its mask
-                                        (TEST.OVERLAP_THRESHOLD)
+                                        probability is > this (OBJECT_MASK_THRESHOLD)
+  overlap_threshold                     panoptic: a segment is dropped when it keeps < this fraction of its own
+                                        mask (OVERLAP_THRESHOLD)
+  thing_ids                             panoptic (and instance, when panoptic is on): contiguous class ids that are
+                                        things (the dataset metadata's thing_dataset_id_to_contiguous_id values);
+                                        the others are stuff
   test_topk_per_image                   instance: (query, class) pairs kept (TEST.DETECTIONS_PER_IMAGE)
-  semantic_on, panoptic_on, instance_on which results to make (TEST.SEMANTIC_ON, …)
-  sem_seg_postprocess_before_inference  resize the masks to the original picture before inference (else after)
-  thing_ids                             contiguous class ids that are things (the metadata's
-                                        thing_dataset_id_to_contiguous_id values); the others are stuff
-  class_names                           contiguous class id → name (optional)
+  class_names                           contiguous class id → name, for segments and instances (optional)
 """
 from __future__ import annotations
 
@@ -44,18 +49,18 @@ _RESIZE_CHUNK = 1 << 20  # float32 elements a resize step holds per map group: s
 _CHUNK = 1 << 24  # float32 elements of per-class scores held at once while the semantic argmax is taken
 
 
-# resizing ------------------------------------------------------------------------------------------------------------
-# Bilinear resizes as two taps per output along each axis, gathered with np.take: the cost is the output's size
-# whatever the scale, single-threaded like torch's own CPU kernel and as fast (Q=100 masks to 800x1088: 0.3 s; 150
-# class maps 512x683 to 1024x1366: 1.2 s). Banded weight matrices through BLAS cost 2·span multiply-adds per output
+# resizing -------------------------------------------------------------------------------------------------------------
+# Bilinear resizes as a few taps per output along each axis, gathered with np.take: the cost is the output's size
+# whatever the scale, single-threaded like torch's own CPU kernel and about as fast (Q=100 masks to 800x1088: 0.5 s;
+# 150 class maps 512x683 to 1024x1366: 2 s). Banded weight matrices through BLAS cost 2·span multiply-adds per output
 # and, as thousands of small threaded matmuls, stall 10-100x on busy cores.
-Taps = tuple  # (lo, hi, w_lo, w_hi): output i = w_lo[i]·input[lo[i]] + w_hi[i]·input[hi[i]]
+Taps = tuple  # (index [out, k], weight [out, k]): output i = Σ_j weight[i, j] · input[index[i, j]]
 
 
 @functools.lru_cache(maxsize=256)
 def _taps(size: int, out: int, keep: int | None = None) -> Taps | None:
-    """The taps of F.interpolate(mode="bilinear", align_corners=False) from `size` to `out` samples along one axis
-    (the first `keep` outputs only, where given); None for the identity."""
+    """The two taps per output of F.interpolate(mode="bilinear", align_corners=False) from `size` to `out` samples
+    along one axis (the first `keep` outputs only, where given); None for the identity."""
     if size == out and keep in (None, out):
         return None
     # torch's own arithmetic (aten's area_pixel_compute_source_index and guard_index_and_lambda): a float32 scale,
@@ -66,34 +71,59 @@ def _taps(size: int, out: int, keep: int | None = None) -> Taps | None:
     lo = np.minimum(np.floor(src).astype(np.int64), size - 1)
     frac = np.clip(src - lo.astype(np.float32), 0, 1).astype(np.float32)
     hi = np.where(lo < size - 1, lo + 1, lo)
-    taps = lo, hi, np.float32(1) - frac, frac
-    for t in taps:
-        t.flags.writeable = False  # cached: shared by every caller
-    return taps
+    return _frozen(np.stack([lo, hi], 1), np.stack([np.float32(1) - frac, frac], 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _then(size: int, out: int, keep: int, after: int) -> Taps | None:
+    """Resizing `size` → `out`, keeping the first `keep` outputs and resizing those to `after`, as one set of taps
+    (at most four per output: two of two): the large intermediate is never made. Equal to the two steps to float
+    rounding."""
+    first = _taps(size, out, keep)
+    second = _taps(keep, after)
+    if first is None or second is None:
+        return first or second
+    dense = _dense(second, keep).astype(np.float64) @ _dense(first, size).astype(np.float64)  # [after, size]
+    k = max(int(np.count_nonzero(dense, 1).max()), 1)
+    # each output's inputs are consecutive: a window of k from the first, kept inside the axis
+    start = np.minimum(np.argmax(dense != 0, 1), size - k)
+    index = start[:, None] + np.arange(k)
+    return _frozen(index, np.take_along_axis(dense, index, 1).astype(np.float32))
+
+
+def _frozen(index: np.ndarray, weight: np.ndarray) -> Taps:
+    for a in (index, weight):
+        a.flags.writeable = False  # cached: shared by every caller
+    return index, weight
+
+
+def _dense(taps: Taps | None, size: int) -> np.ndarray:
+    if taps is None:
+        return np.eye(size, dtype=np.float32)
+    index, weight = taps
+    w = np.zeros((len(index), size), np.float32)
+    np.add.at(w, (np.arange(len(index))[:, None], index), weight)
+    return w
 
 
 def resize_weights(size: int, out: int) -> np.ndarray:
     """[out, size] float32 weights of F.interpolate(mode="bilinear", align_corners=False) along one axis."""
-    taps = _taps(int(size), int(out))
-    if taps is None:
-        return np.eye(size, dtype=np.float32)
-    lo, hi, w_lo, w_hi = taps
-    w = np.zeros((out, size), np.float32)
-    np.add.at(w, (np.arange(out), lo), w_lo)
-    np.add.at(w, (np.arange(out), hi), w_hi)
-    return w
+    return _dense(_taps(int(size), int(out)), int(size))
 
 
-def _along(x: np.ndarray, taps: Taps | None, axis: int) -> np.ndarray:
+def _along(x: np.ndarray, taps: Taps | None, axis: int, out: np.ndarray | None = None) -> np.ndarray:
     if taps is None:
-        return x
-    lo, hi, w_lo, w_hi = taps
+        if out is not None:
+            out[...] = x
+        return x if out is None else out
+    index, weight = taps
     shape = (-1, 1) if axis == -2 else (-1,)
-    out = np.take(x, lo, axis=axis)
-    out *= w_lo.reshape(shape)
-    other = np.take(x, hi, axis=axis)
-    other *= w_hi.reshape(shape)
-    out += other
+    out = np.take(x, index[:, 0], axis=axis, out=out)
+    out *= weight[:, 0].reshape(shape)
+    for j in range(1, index.shape[1]):
+        other = np.take(x, index[:, j], axis=axis)
+        other *= weight[:, j].reshape(shape)
+        out += other
     return out
 
 
@@ -109,9 +139,9 @@ def _resize(x: np.ndarray, steps: Sequence[tuple[Taps | None, Taps | None]]) -> 
     step = max(1, _RESIZE_CHUNK // max(h * w for h, w in sizes))
     for i in range(0, len(flat), step):
         part = flat[i : i + step]
-        for rows, cols in steps:
-            part = _along(_along(part, cols, -1), rows, -2)
-        out[i : i + step] = part
+        for j, (rows, cols) in enumerate(steps):
+            last = j == len(steps) - 1  # written straight into the output
+            part = _along(_along(part, cols, -1), rows, -2, out[i : i + step] if last else None)
     return out.reshape(*x.shape[:-2], *out.shape[-2:])
 
 
@@ -131,14 +161,13 @@ def sem_seg_postprocess(result: np.ndarray, img_size: Sequence[int], output_heig
 
 def _masks_at(masks: np.ndarray, padded_hw: tuple[int, int], crop_hw: tuple[int, int] | None = None,
               out_hw: tuple[int, int] | None = None) -> np.ndarray:
-    """Mask logits upsampled to the padded size, or (given `crop_hw` and `out_hw`) to its `crop_hw` corner only and
-    that resized to `out_hw` (sem_seg_postprocess), a few masks at a time: the padded-size masks are never all in
-    memory."""
+    """Mask logits upsampled to the padded size, or (given `crop_hw` and `out_hw`) that cropped to `crop_hw` and
+    resized to `out_hw` (sem_seg_postprocess) in one pass: the padded-size masks are never made."""
     (ph, pw), (mh, mw) = padded_hw, masks.shape[-2:]
     if crop_hw is None:
         return _resize(masks, [(_taps(mh, ph), _taps(mw, pw))])
     (ch, cw), (oh, ow) = crop_hw, out_hw
-    return _resize(masks, [(_taps(mh, ph, ch), _taps(mw, pw, cw)), (_taps(ch, oh), _taps(cw, ow))])
+    return _resize(masks, [(_then(mh, ph, ch, oh), _then(mw, pw, cw, ow))])
 
 
 def _nearest(ids: np.ndarray, crop_hw: Sequence[int], out_hw: Sequence[int]) -> np.ndarray:
@@ -151,7 +180,7 @@ def _nearest(ids: np.ndarray, crop_hw: Sequence[int], out_hw: Sequence[int]) -> 
     return ids[..., index(h, oh)[:, None], index(w, ow)[None, :]]
 
 
-# the three inferences --------------------------------------------------------------------------------------------------
+# the three inferences -------------------------------------------------------------------------------------------------
 def softmax(logits: np.ndarray) -> np.ndarray:
     x = np.asarray(logits, np.float32)
     e = np.exp(x - x.max(-1, keepdims=True))
@@ -174,10 +203,23 @@ def semantic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, probs: np.nd
     return (softmax(mask_cls)[:, :-1].T @ probs.reshape(q, h * w)).reshape(-1, h, w)
 
 
+def _first_max(values) -> np.ndarray:
+    """argmax over a sequence of equal-shaped arrays (the first on ties, as torch's argmax), as int32: a running
+    maximum, 3x faster than ndarray.argmax(0) (which copies to make axis 0 the last) and never the stack in memory."""
+    values = iter(values)
+    best = np.array(next(values), np.float32)
+    index = np.zeros(best.shape, np.int32)
+    for i, v in enumerate(values, 1):
+        better = v > best
+        index[better] = i
+        np.maximum(best, v, out=best)
+    return index
+
+
 def _semantic_map(mask_cls: np.ndarray, probs: np.ndarray, crop_hw: tuple[int, int] | None = None,
                   out_hw: tuple[int, int] | None = None) -> np.ndarray:
     """The argmax of semantic_inference (postprocessed to `out_hw` from the `crop_hw` corner, where given) as [H, W]
-    int32, taken a band of rows at a time so the [K, H, W] scores are never all in memory."""
+    int32, a band of rows at a time: the [K, H, W] scores are never all in memory."""
     classes = softmax(mask_cls)[:, :-1].T  # [K, Q]
     k, q = classes.shape
     if crop_hw is None:
@@ -185,22 +227,22 @@ def _semantic_map(mask_cls: np.ndarray, probs: np.ndarray, crop_hw: tuple[int, i
         out = np.empty((h, w), np.int32)
         step = max(1, _CHUNK // (k * w))
         for s in range(0, h, step):
-            band = probs[:, s : s + step].reshape(q, -1)
-            out[s : s + step] = (classes @ band).argmax(0).reshape(-1, w)
+            out[s : s + step] = _first_max(classes @ probs[:, s : s + step].reshape(q, -1)).reshape(-1, w)
         return out
     (ch, cw), (oh, ow) = crop_hw, out_hw
-    scores = semantic_inference(mask_cls, None, np.ascontiguousarray(probs[:, :ch, :cw]))  # [K, h, w]
     rows, cols = _taps(ch, oh), _taps(cw, ow)
     out = np.empty((oh, ow), np.int32)
     step = max(1, _CHUNK // (k * max(ch, ow)))  # output rows at a time
     for s in range(0, oh, step):
         if rows is None:
-            out[s : s + step] = _resize(scores[:, s : s + step], [(None, cols)]).argmax(0)
-            continue
-        lo, hi, w_lo, w_hi = (t[s : s + step] for t in rows)
-        first = int(lo[0])  # the input rows this band reads: lo[0] .. hi[-1]
-        band = (lo - first, hi - first, w_lo, w_hi)
-        out[s : s + step] = _resize(scores[:, first : int(hi[-1]) + 1], [(band, cols)]).argmax(0)
+            first, last, band = s, min(s + step, oh) - 1, None
+        else:
+            index, weight = (t[s : s + step] for t in rows)
+            first, last = int(index.min()), int(index.max())  # the input rows the band reads
+            band = (index - first, weight)
+        region = probs[:, first : last + 1, :cw]
+        scores = (classes @ region.reshape(q, -1)).reshape(k, last + 1 - first, cw)  # semantic_inference's rows
+        out[s : s + step] = _first_max(_resize(scores, [(band, cols)]))
     return out
 
 
@@ -220,7 +262,7 @@ def panoptic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes:
     if len(keep) == 0:
         return panoptic, segments
     masks = probs[keep]  # [k, H, W]
-    winner = (scores[keep][:, None, None] * masks).argmax(0)  # ties: the first query, as torch's argmax
+    winner = _first_max(score * mask for score, mask in zip(scores[keep], masks))
     inside = np.take_along_axis(masks, winner[None], 0)[0] >= 0.5  # the winner's own mask covers the pixel
     mask_area = np.bincount(winner.ravel(), minlength=len(keep))
     original_area = np.count_nonzero((masks >= 0.5).reshape(len(keep), -1), axis=1)
@@ -251,12 +293,14 @@ def panoptic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes:
 def instance_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes: int, test_topk_per_image: int,
                        panoptic_on: bool, thing_ids: Sequence[int], class_names: Sequence[str] = (),
                        probs: np.ndarray | None = None,
-                       to_original: Callable[[np.ndarray], np.ndarray] | None = None) -> list[Instance]:
+                       to_original: Callable[[np.ndarray], np.ndarray] | None = None,
+                       threshold: float | None = None) -> list[Instance]:
     """Mask2Former's instance_inference: the top `test_topk_per_image` (query, class) pairs by class probability
     (things only when `panoptic_on`), each with its query's mask (logit > 0, COCO RLE) and score = probability × the
-    mask's mean probability over its pixels. Upstream's topk is unsorted; these are sorted by score (descending, ties
-    by the pair's rank in the top-k, then by query and class). Boxes stay None (upstream's are zeros).
-    `to_original`: maps a mask to the original picture's pixels before it is encoded."""
+    mask's mean probability over its pixels. Upstream's topk is unsorted; these are sorted by score, descending
+    (ties: the higher class probability first, then the lower query and class). Boxes stay None (upstream's are
+    zeros). `to_original`: maps a mask to the original picture's pixels before it is encoded; `threshold`: pairs
+    scoring below it are left out (before their masks are encoded)."""
     q = mask_cls.shape[0]
     flat = softmax(mask_cls)[:, :-1].reshape(-1)  # [Q·K]: query-major, as upstream's flatten
     top = np.argsort(-flat, kind="stable")[: min(int(test_topk_per_image), flat.size)]  # ties: the lower index
@@ -271,6 +315,8 @@ def instance_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes:
         mask_score[j] = np.float32((p * positive).sum()) / np.float32(positive.sum() + 1e-6)
     scores = class_scores * mask_score[queries]
     order = np.argsort(-scores, kind="stable")
+    if threshold is not None:
+        order = order[scores[order].astype(np.float64) >= threshold]  # as the float scores compare
     encoded: dict[int, dict[str, Any]] = {}
     found = []
     for i in order.tolist():
@@ -284,7 +330,7 @@ def instance_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes:
     return found
 
 
-# one picture --------------------------------------------------------------------------------------------------------
+# one picture ----------------------------------------------------------------------------------------------------------
 def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequence[int], original_hw: Sequence[int],
                     post: dict[str, Any], threshold: float = 0.0) -> Prediction:
     """Row `index` of a batch's `pred_logits` and `pred_masks` → the picture's prediction, as MaskFormer.forward
@@ -297,13 +343,18 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
     padded = (masks.shape[-2] * MASK_STRIDE, masks.shape[-1] * MASK_STRIDE)
     if h > padded[0] or w > padded[1]:
         raise ValueError(f"picture of {h}x{w} in the graph, but its masks cover {padded[0]}x{padded[1]}")
-    num_classes = int(post["num_classes"])
+    def value(key: str):
+        if key not in post:  # no default guessed: upstream's config defaults differ from its published models'
+            raise ValueError(f"the manifest's postprocess has no {key!r} (see d2export/families/_masks.py)")
+        return post[key]
+
+    num_classes = int(value("num_classes"))
     if mask_cls.shape[-1] != num_classes + 1:
         raise ValueError(f"pred_logits has {mask_cls.shape[-1]} classes; the manifest says {num_classes} + 1")
-    before = bool(post.get("sem_seg_postprocess_before_inference", True))
-    semantic_on, panoptic_on, instance_on = (bool(post.get(k, False)) for k in ("semantic_on", "panoptic_on",
-                                                                                  "instance_on"))
-    thing_ids, names = list(post.get("thing_ids") or []), list(post.get("class_names") or [])
+    before = bool(value("sem_seg_postprocess_before_inference"))
+    semantic_on, panoptic_on, instance_on = (bool(value(k)) for k in ("semantic_on", "panoptic_on", "instance_on"))
+    thing_ids = list(value("thing_ids")) if panoptic_on else []
+    names = list(post.get("class_names") or [])
     prediction = Prediction(oh, ow)
     if before:
         mask_pred = _masks_at(masks, padded, (h, w), (oh, ow))
@@ -318,11 +369,10 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
                                else _semantic_map(mask_cls, probs, (h, w), (oh, ow)))
     if panoptic_on:
         panoptic, segments = panoptic_inference(mask_cls, mask_pred, num_classes,
-                                                float(post["object_mask_threshold"]), float(post["overlap_threshold"]),
-                                                thing_ids, names, probs)
+                                                float(value("object_mask_threshold")),
+                                                float(value("overlap_threshold")), thing_ids, names, probs)
         prediction.panoptic, prediction.segments = (panoptic if back is None else back(panoptic)), segments
     if instance_on:
-        found = instance_inference(mask_cls, mask_pred, num_classes, int(post["test_topk_per_image"]), panoptic_on,
-                                   thing_ids, names, probs, back)
-        prediction.instances = [inst for inst in found if inst.score >= threshold]
+        prediction.instances = instance_inference(mask_cls, mask_pred, num_classes, int(value("test_topk_per_image")),
+                                                  panoptic_on, thing_ids, names, probs, back, threshold)
     return prediction

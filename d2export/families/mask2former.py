@@ -19,10 +19,12 @@ from d2export.families import AdapterOptions, Family, FamilyError, find_child
 HEAD = ("pixel_decoder", "predictor")
 DECODER = ("forward_prediction_heads", "class_embed", "mask_embed", "num_queries")
 MODEL = ("backbone", "sem_seg_head", "size_divisibility", "pixel_mean", "pixel_std")
-OUTPUT_DOCS = {"pred_logits": "class logits per query [N, Q, K+1]; the last class is 'no object'",
+OUTPUT_DOCS = {"pred_logits": "class logits per query [N, Q, K+1]; the last class is 'no object' (MaskDINO: [N, Q, K] "
+                              "sigmoid logits)",
+               "pred_boxes": "MaskDINO: a box per query [N, Q, 4], cx, cy, w, h relative to the padded batch",
                "pred_masks": "mask logits per query [N, Q, Hp/4, Wp/4] over the batch padded to the model's size "
                              "divisibility; a picture's own part is its top-left (ceil(h/4), ceil(w/4))"}
-OUTPUT_KINDS = {"pred_logits": "logits", "pred_masks": "masks"}
+OUTPUT_KINDS = {"pred_logits": "logits", "pred_masks": "masks", "pred_boxes": "probabilities"}
 
 
 def _has_msda(module) -> bool:
@@ -41,6 +43,8 @@ class Mask2Former(Family):
     # spread the class and mask logits as a trained model's are, so a comparison can tell graphs apart
     seeded_scales = {"predictor.class_embed": 40.0, "predictor.mask_embed.layers.2": 8.0}
     int8_float_scopes = ("sampling_offsets", "attention_weights")
+    pixel_maps = True
+    evaluator = "segmentation"  # mIoU, panoptic quality and mask AP, where the dataset has their ground truth
 
     def missing(self, model):
         missing = [a for a in MODEL if not hasattr(model, a)]
@@ -59,12 +63,14 @@ class Mask2Former(Family):
         from d2export.tracing.maskformer import MaskFormerAdapter
 
         pre = self.preprocess(cfg)
-        return MaskFormerAdapter(model, pre["pixel_mean"], pre["pixel_std"])
+        task = str(cfg.MODEL.TEST.TASK) if _task_conditioned(model) else None
+        boxes = hasattr(model.sem_seg_head.predictor, "bbox_embed")
+        return MaskFormerAdapter(model, pre["pixel_mean"], pre["pixel_std"], task, boxes)
 
     def postprocess(self, cfg):
         from detectron2.data import MetadataCatalog
 
-        test = cfg.MODEL.MASK_FORMER.TEST
+        test = _test_node(cfg)
         num_classes = int(cfg.MODEL.SEM_SEG_HEAD.NUM_CLASSES)
         meta = MetadataCatalog.get(cfg.DATASETS.TRAIN[0]) if cfg.DATASETS.TRAIN else None
         names = next((list(n) for n in (getattr(meta, "stuff_classes", None), getattr(meta, "thing_classes", None))
@@ -80,15 +86,36 @@ class Mask2Former(Family):
                 "sem_seg_postprocess_before_inference": bool(test.SEM_SEG_POSTPROCESSING_BEFORE_INFERENCE
                                                              or test.PANOPTIC_ON or test.INSTANCE_ON),
                 "thing_ids": sorted(int(v) for v in things.values()),
-                "class_names": names}
+                "class_names": names,
+                # MaskDINO scores each class by a sigmoid, no "no object" class: served by Mask2Former's rules its
+                # results would be wrong, so serving refuses it (the graph's outputs are right)
+                "class_scores": "sigmoid" if hasattr(cfg.MODEL, "MaskDINO") else "softmax"} | (
+                    {"task": str(task)} if (task := getattr(cfg.MODEL.get("TEST"), "TASK", None)) else {})
 
     def prediction(self, outputs, index, input_hw, original_hw, post, threshold):
         from d2export.families._masks import mask_prediction
 
-        return mask_prediction(outputs, index, input_hw, original_hw, post)
+        if post.get("class_scores", "softmax") != "softmax":
+            raise ValueError("this model scores classes by a sigmoid (MaskDINO): its semantic, panoptic and instance "
+                             "post-processing is not served yet; the graph's outputs are its own (docs/exporting.md)")
+        return mask_prediction(outputs, index, input_hw, original_hw, post, threshold)
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
         return self.prediction(outputs, index, input_hw, original_hw, post, threshold).instances
+
+
+def _task_conditioned(model) -> bool:
+    """OneFormer: the head takes a task embedding beside the features."""
+    return hasattr(model, "task_mlp") and hasattr(model, "task_tokenizer")
+
+
+def _test_node(cfg):
+    """The post-processing's config: Mask2Former's MODEL.MASK_FORMER.TEST, MaskDINO's MODEL.MaskDINO.TEST, or
+    OneFormer's MODEL.TEST."""
+    for project in ("MASK_FORMER", "MaskDINO"):
+        if hasattr(cfg.MODEL, project) and hasattr(cfg.MODEL.get(project), "TEST"):
+            return cfg.MODEL.get(project).TEST
+    return cfg.MODEL.TEST
 
 
 FAMILY = Mask2Former()

@@ -269,3 +269,15 @@ def group_norm(x: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias
     if bias is not None:
         out = out + bias.reshape(affine_shape)
     return out
+
+
+def mask_boxes(masks: Tensor) -> Tensor:
+    """[N, H, W] bool masks → [N, 4] float boxes (x0, y0, x1 + 1, y1 + 1 of the set pixels; zeros for an empty mask),
+    as detectron2's BitMasks.get_bounding_boxes, without its Python loop over masks (a trace bakes their count)."""
+    cols, rows = masks.any(1), masks.any(2)  # [N, W], [N, H]
+    xs = torch.arange(masks.shape[2], device=masks.device)
+    ys = torch.arange(masks.shape[1], device=masks.device)
+    past = masks.shape[1] + masks.shape[2]  # beyond any index: the minimum of an empty row or column ignores it
+    boxes = torch.stack([torch.where(cols, xs, past).amin(1), torch.where(rows, ys, past).amin(1),
+                         torch.where(cols, xs, -1).amax(1) + 1, torch.where(rows, ys, -1).amax(1) + 1], 1)
+    return torch.where(cols.any(1)[:, None], boxes, torch.zeros_like(boxes)).to(torch.float32)

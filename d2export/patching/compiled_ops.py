@@ -66,28 +66,43 @@ def ms_deform_attn_backward(value, spatial_shapes, level_start_index, sampling_l
     return torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
 
 
-# Compiled modules that research code imports at module level for something other than MSDA, where the model does
-# not need it: `mask2former/__init__` imports its COCO evaluator, whose `fast_eval_api` imports detectron2's `_C`. The
-# stand-in makes the import succeed; any use of it says what is missing.
-IMPORT_ONLY = {"detectron2._C": "detectron2 was installed without its compiled ops (_C)"}
+# Modules that research code imports at module level for something the exported model never runs: detectron2's `_C`
+# (`mask2former/__init__` imports its COCO evaluator, whose `fast_eval_api` imports it), OneFormer's `natten` (the
+# DiNAT backbone; no wheel for most platforms) and `wandb` (training logs). Their stand-ins make imports succeed:
+# any name imported from them is a placeholder that says what is missing when called.
+IMPORT_ONLY_WHY = {"detectron2._C": "detectron2 was installed without its compiled ops (_C)"}
+_import_only: set[str] = set()
 
 
-def _import_only(name: str) -> types.ModuleType:
-    module = types.ModuleType(name, f"d2export stand-in for {name!r}: importable, nothing in it")
+def _placeholder(name: str, why: str):
+    class Missing:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(f"{name}: {why}; d2export stands in for it only so that imports succeed")
+
+        def __init_subclass__(cls, **kwargs):  # a class of the checkout's deriving from it is fine until built
+            pass
+
+    Missing.__name__ = Missing.__qualname__ = name.rpartition(".")[2]
+    return Missing
+
+
+def _import_only_module(name: str) -> types.ModuleType:
+    module = types.ModuleType(name, f"d2export stand-in for {name!r}: importable, nothing in it works")
+    module.__path__ = []  # a package: its submodules may be stood in for too
+    why = IMPORT_ONLY_WHY.get(name, f"{name} is not installed")
 
     def __getattr__(attr):
         if attr.startswith("__"):
             raise AttributeError(attr)
-        raise AttributeError(f"{name}.{attr}: {IMPORT_ONLY[name]}; d2export stands in for the module only so that "
-                             "imports succeed")
+        return _placeholder(f"{name}.{attr}", why)
 
     module.__getattr__ = __getattr__
     return module
 
 
 def make_stand_in(name: str) -> types.ModuleType:
-    if name in IMPORT_ONLY:
-        module = _import_only(name)
+    if name in _import_only or name in IMPORT_ONLY_WHY:
+        module = _import_only_module(name)
     else:
         module = types.ModuleType(name, f"d2export stand-in for the compiled MSDA extension {name!r}")
         module.ms_deform_attn_forward = ms_deform_attn_forward
@@ -101,8 +116,8 @@ class _StandInLoader(importlib.abc.Loader):
         return make_stand_in(spec.name)
 
     def exec_module(self, module):
-        if module.__name__ in IMPORT_ONLY:
-            log.info("compiled module %s not found: an empty stand-in lets it import", module.__name__)
+        if module.__name__ in _import_only or module.__name__ in IMPORT_ONLY_WHY:
+            log.info("module %s not found: a stand-in lets it import (nothing in it works)", module.__name__)
         else:
             log.info("compiled MSDA extension %s not found: using d2export's pure-PyTorch core", module.__name__)
 
@@ -124,10 +139,13 @@ class CompiledOpFinder(importlib.abc.MetaPathFinder):
 _finder: CompiledOpFinder | None = None
 
 
-def install(names: Iterable[str]) -> CompiledOpFinder:
-    """Install (or extend) the process-wide finder. Idempotent."""
+def install(names: Iterable[str], import_only: Iterable[str] = ()) -> CompiledOpFinder:
+    """Install (or extend) the process-wide finder for compiled MSDA extensions (`names`) and modules imported but
+    never used (`import_only`; see IMPORT_ONLY_WHY). Idempotent."""
     global _finder
-    names = list(names)
+    import_only = [n for n in import_only if n not in names]
+    _import_only.update(import_only)
+    names = list(names) + import_only
     if "detectron2._C" in names:
         # detectron2's COCO evaluator picks its fast implementation where `fast_eval_api` imports; bound before the
         # stand-in exists, it keeps the plain one, which runs without `_C`
@@ -150,3 +168,4 @@ def uninstall() -> None:
             if getattr(mod, "__d2export_stand_in__", False):
                 del sys.modules[name]
     _finder = None
+    _import_only.clear()

@@ -2,7 +2,7 @@
 one image per run, and these keep what detectron2 does per image size-general."""
 from __future__ import annotations
 
-from d2export.ops import keypoints
+from d2export.ops import keypoints, rewrites
 from d2export.patching.registry import register_patch
 
 register_patch("keypoints-from-heatmaps", function="detectron2.modeling.roi_heads.keypoint_head.heatmaps_to_keypoints",
@@ -18,3 +18,12 @@ def split_whole(tensor, split_size_or_sections, dim=0):
     if isinstance(sections, (list, tuple)) and len(sections) == 1 and sections[0] == tensor.shape[dim]:
         return (tensor,)  # one section holding everything: the tensor itself, whatever its traced size
     return NotImplemented
+
+
+@register_patch("bitmask-boxes", function="detectron2.structures.masks.BitMasks.get_bounding_boxes",
+                why="a Python loop over the masks (MaskDINO's `INITIALIZE_BOX_TYPE: bitmask`) bakes their count: a "
+                    "batch of another size is wrong in onnxruntime")
+def bitmask_boxes(self):
+    from detectron2.structures import Boxes
+
+    return Boxes(rewrites.mask_boxes(self.tensor))

@@ -3,7 +3,8 @@
     list INPUT (folder, glob or list file; local or any pyarrow filesystem), drop what OUTPUT already holds
     → Ray tasks read, decode and resize (the predictor's own `Processing.prepare`)
     → an actor pool runs the graph (one onnxruntime session per actor, `--threads` each) and post-processes
-    → Ray Data writes OUTPUT/*.parquet or *.jsonl: path, height, width, instances, error
+    → Ray Data writes OUTPUT/*.parquet or *.jsonl: path, height, width, instances, error; for a segmentation model
+      also semantic and panoptic (PNG bytes; in JSON lines base64, as `d2export serve` answers) and segments
 
 A picture that cannot be read or decoded becomes a row with its error, never a failed job. Rows are written as blocks
 finish, so an interrupted run leaves complete files behind; a rerun skips the pictures they hold (and removes a file
@@ -40,11 +41,16 @@ FORMATS = {"parquet": ".parquet", "jsonl": ".jsonl"}
 DECODE_CPUS = 0.5  # Ray CPUs per decoding task
 
 
-def row_schema():
+def row_schema(maps: bool = False):
+    """The rows' columns; `maps`: a segmentation model's too (the PNG files d2export/runtime/maps.py writes, and the
+    panoptic map's segments as JSON), only then, so other models' files stay as they were."""
     import pyarrow as pa
 
-    return pa.schema([("path", pa.string()), ("height", pa.int64()), ("width", pa.int64()),
-                      ("instances", pa.string()), ("error", pa.string())])
+    columns = [("path", pa.string()), ("height", pa.int64()), ("width", pa.int64()), ("instances", pa.string()),
+               ("error", pa.string())]
+    if maps:
+        columns += [("semantic", pa.binary()), ("panoptic", pa.binary()), ("segments", pa.string())]
+    return pa.schema(columns)
 
 
 # where the pictures are -----------------------------------------------------------------------------------------------
@@ -209,25 +215,41 @@ class InferActor:
         self.predictor = Predictor(Path(self.folder.name, model.name), providers, threads, score_threshold,
                                    min_size=min_size, max_size=max_size, verify_hash=verify_hash,
                                    embedded_manifest=embedded_manifest, tf32=tf32, cuda_graph=cuda_graph)
+        self.maps = self.predictor.family.pixel_maps
 
     def __call__(self, batch: dict[str, np.ndarray]):
         import pyarrow as pa
 
+        from d2export.runtime.maps import map_pngs
+
         n = len(batch["path"])
         instances: list[str | None] = [None] * n
+        semantic: list[bytes | None] = [None] * n
+        panoptic: list[bytes | None] = [None] * n
+        segments: list[str | None] = [None] * n
         errors = [str(e) or None for e in batch["error"]]
         ok = [i for i in range(n) if errors[i] is None]
         prepared = [Prepared(batch["chw"][i], int(batch["height"][i]), int(batch["width"][i])) for i in ok]
         for j, prediction in enumerate(self.predictor.predict_unpadded(prepared)):
-            instances[ok[j]] = json.dumps(prediction.to_dict()["instances"], ensure_ascii=False)
+            d = prediction.to_dict()
+            instances[ok[j]] = json.dumps(d["instances"], ensure_ascii=False)
+            if self.maps:
+                pngs = map_pngs(prediction)
+                semantic[ok[j]], panoptic[ok[j]] = pngs.get("semantic"), pngs.get("panoptic")
+                if "segments" in d:
+                    segments[ok[j]] = json.dumps(d["segments"], ensure_ascii=False)
         heights = [None if e else int(h) for e, h in zip(errors, batch["height"])]
         widths = [None if e else int(w) for e, w in zip(errors, batch["width"])]
-        return pa.table([list(batch["path"]), heights, widths, instances, errors], schema=row_schema())
+        columns = [list(batch["path"]), heights, widths, instances, errors]
+        return pa.table(columns + ([semantic, panoptic, segments] if self.maps else []),
+                        schema=row_schema(self.maps))
 
 
 def jsonl_datasink(output: str, rows_per_file: int):
-    """Ray Data datasink writing `infer`'s lines: instances nested, absent fields left out (the class is made here, so
-    importing this module needs no Ray)."""
+    """Ray Data datasink writing `infer`'s lines: instances nested, absent fields left out, a segmentation model's maps
+    as `d2export serve` answers them (base64 PNG) (the class is made here, so importing this module needs no Ray)."""
+    import base64
+
     from ray.data.datasource import BlockBasedFileDatasink
 
     class JsonLines(BlockBasedFileDatasink):
@@ -237,6 +259,12 @@ def jsonl_datasink(output: str, rows_per_file: int):
                 line = ({"path": row["path"], "error": row["error"]} if row["error"] is not None else
                         {"path": row["path"], "height": row["height"], "width": row["width"],
                          "instances": json.loads(row["instances"])})
+                for key in ("semantic", "panoptic"):
+                    if row.get(key) is not None:
+                        line[key] = {"shape": [row["height"], row["width"]],
+                                     "png_base64": base64.b64encode(row[key]).decode("ascii")}
+                if row.get("segments") is not None:
+                    line["segments"] = json.loads(row["segments"])
                 lines.append(json.dumps(line, ensure_ascii=False) + "\n")
             file.write("".join(lines).encode("utf-8"))
 

@@ -1,6 +1,6 @@
 """`d2export infer MODEL IMAGE_OR_FOLDER …`: one JSON line per picture (its file, size and instances), pictures of the
-results with --vis. A picture that fails, for whatever reason, gets a line with its error and the rest are still
-processed; the exit status is then 1."""
+results with --vis; a segmentation model's pixel maps as PNG files (--maps) that its line names. A picture that fails,
+for whatever reason, gets a line with its error and the rest are still processed; the exit status is then 1."""
 from __future__ import annotations
 
 import contextlib
@@ -45,15 +45,38 @@ def shown(path: Path) -> str:
 
 
 def _unique(stem: str, used: set[str]) -> str:
-    """A safe `stem.png` (letters, digits, `_-.` only, no leading dot), or `stem_1.png`, … where folders hold pictures
-    of the same name."""
+    """A safe `stem` (letters, digits, `_-.` only, no leading dot), or `stem_1`, … where folders hold pictures of the
+    same name: the picture's files are `<stem>.png` (--vis), `<stem>.semantic.png` and `<stem>.panoptic.png`."""
     stem = re.sub(r"[^\w.-]", "_", shown(Path(stem))).lstrip(".") or "image"
-    name, i = f"{stem}.png", 0
+    name, i = stem, 0
     while name in used:
         i += 1
-        name = f"{stem}_{i}.png"
+        name = f"{stem}_{i}"
     used.add(name)
     return name
+
+
+def maps_folder(maps: str | None, output: str, vis: str | None) -> Path:
+    """Where pixel maps go: --maps; else beside the -o file; else (stdout) the --vis folder; else ./maps."""
+    if maps:
+        return Path(maps)
+    if output != "-":
+        return Path(output).parent
+    return Path(vis) if vis else Path("maps")
+
+
+def write_maps(result, folder: Path, stem: str) -> dict[str, dict]:
+    """The prediction's pixel maps as `<folder>/<stem>.<map>.png` (see d2export/runtime/maps.py); their JSON entries,
+    each naming its file."""
+    from d2export.runtime.maps import map_pngs
+
+    entries = {}
+    for key, data in map_pngs(result).items():
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{stem}.{key}.png"
+        path.write_bytes(data)
+        entries[key] = {"shape": list(getattr(result, key).shape), "png": shown(path)}
+    return entries
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("inputs", nargs="+", help="image files and/or folders")
     ap.add_argument("-o", "--output", default="-", help="JSON lines file (-: stdout)")
     ap.add_argument("--vis", default=None, metavar="DIR", help="write <DIR>/<name>.png with outlines and labels (default: no pictures)")
+    ap.add_argument("--maps", default=None, metavar="DIR",
+                    help="segmentation models: write <DIR>/<name>.semantic.png and .panoptic.png (default: the -o "
+                         "file's folder; with stdout, the --vis folder, else ./maps)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     try:
@@ -76,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     if vis:
         vis.mkdir(parents=True, exist_ok=True)
         from d2export.runtime.visualize import draw_prediction
+    maps = maps_folder(args.maps, args.output, args.vis)
+    class_names = predictor.post.get("class_names")
     failed, used = 0, set()
     show_bar = not args.no_progress and (len(files) > 1 or any(Path(p).is_dir() for p in args.inputs))
     with contextlib.ExitStack() as stack:
@@ -85,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                 image = read_image(f)
                 result = predictor.predict(image)
                 line = {"file": shown(f)} | result.to_dict()
+                has_maps = result.semantic is not None or result.panoptic is not None
+                stem = _unique(f.stem, used) if vis or has_maps else None
+                if has_maps:
+                    line.update(write_maps(result, maps, stem))
                 if vis:
-                    draw_prediction(image, result).save(vis / _unique(f.stem, used), format="PNG")
+                    draw_prediction(image, result, class_names=class_names).save(vis / f"{stem}.png", format="PNG")
             except Exception as e:  # noqa: BLE001 - one picture never ends the run: its line says why
                 failed += 1
                 why = str(e) if isinstance(e, (OSError, BadImage)) else f"{type(e).__name__}: {e}"

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 
 from d2export.commandline import parser
 from d2export.runtime.images import MAX_PIXELS, BadImage, ImageTooLarge, decode_image
+from d2export.runtime.maps import prediction_json
 from d2export.runtime.predictor import (Prediction, Predictor, Prepared, ProviderUnavailable, equal_size_groups,
                                         add_predictor_arguments, predictor_from_args)
 
@@ -303,7 +304,7 @@ def create_app(predictor: Predictor, max_batch: int | None = None, batch_timeout
                                                          [score_threshold]))[0]
             except Exception as e:  # noqa: BLE001 - a failed run answers 500 and the server keeps serving
                 raise HTTPException(500, f"inference failed: {type(e).__name__}: {e}") from None
-        return result.to_dict() | {"seconds": round(time.perf_counter() - started, 4)}
+        return prediction_json(result) | {"seconds": round(time.perf_counter() - started, 4)}
 
     @app.post("/predict")
     async def predict(request: Request,

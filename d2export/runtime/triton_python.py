@@ -2,8 +2,8 @@
 
     IMAGE (encoded bytes) → <name>_pre → images, image_sizes, input_sizes, original_sizes
                           → <name> (the ONNX graph) → its outputs
-                          → <name>_post → INSTANCES (per picture, the JSON `d2export infer` writes: height, width,
-                                          instances)
+                          → <name>_post → INSTANCES (per picture, the JSON `d2export serve` answers: height, width,
+                                          instances; a segmentation model's maps as base64 PNG)
 
 Each stage's model.py imports `TritonPythonModel` from here, so Triton runs the runtime's own decoding, resizing and
 family post-processing (`Processing`), read from the manifest beside model.py; the stage comes from the model's
@@ -20,6 +20,7 @@ import numpy as np
 
 from d2export.manifest import Manifest
 from d2export.runtime.images import BadImage, decode_image
+from d2export.runtime.maps import prediction_json
 from d2export.runtime.predictor import Processing
 
 STAGE = "d2export_stage"  # the config parameter naming the stage: "pre" or "post"
@@ -66,6 +67,6 @@ class TritonPythonModel:
         outputs = {name: self._input(request, name) for name in self.processing.output_names}
         input_sizes, original_sizes = self._input(request, INPUT_SIZES), self._input(request, ORIGINAL_SIZES)
         found: list[Any] = [
-            json.dumps(self.processing.prediction(outputs, i, input_sizes[i], original_sizes[i]).to_dict(),
+            json.dumps(prediction_json(self.processing.prediction(outputs, i, input_sizes[i], original_sizes[i])),
                        ensure_ascii=False).encode() for i in range(len(original_sizes))]
         return {INSTANCES: np.array(found, dtype=object).reshape(-1, 1)}

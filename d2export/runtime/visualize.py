@@ -1,5 +1,7 @@
 """A picture of a prediction: masks (translucent), outlines (polygons, boxes, boundaries, centre lines), keypoints and
-labels, on the original picture. Generic over `Instance` fields, so every family draws without code of its own.
+labels, on the original picture. Generic over `Instance` fields, so every family draws without code of its own. A
+segmentation model's panoptic segments (else its semantic classes) are translucent regions, each labelled once with
+its class inside it.
 
 Labels stay inside the picture and are placed, where there is room, where they overlap no other label. The font is
 the first found of `D2EXPORT_FONT`, a CJK-capable system font, DejaVu Sans (the `fonts-dejavu-core` package, or
@@ -60,6 +62,55 @@ def _overlay_masks(image: np.ndarray, instances: list[Instance], alpha: float = 
                 out[where] = (1 - alpha) * out[where] + alpha * np.array(_colour(i), np.float32)
         out = out.round().astype(np.uint8)
     return out
+
+
+def _regions(prediction: Prediction, class_names: Sequence[str] | None) -> list[tuple[np.ndarray, tuple, str]]:
+    """(mask, colour, label) of each panoptic segment, or where there is no panoptic map each semantic class: a
+    segment coloured by its id (things of one class apart), a class by its id (the same colour in every picture)."""
+    names = list(class_names or [])
+
+    def name(label: int) -> str:
+        return names[label] if 0 <= label < len(names) else str(label)
+
+    if prediction.panoptic is not None:
+        return [(prediction.panoptic == s.id, _colour(s.id), s.class_name or name(s.category_id))
+                for s in prediction.segments or []]
+    if prediction.semantic is not None:
+        return [(prediction.semantic == c, _colour(int(c)), name(int(c))) for c in np.unique(prediction.semantic)]
+    return []
+
+
+def _overlay_regions(image: np.ndarray, regions: list[tuple[np.ndarray, tuple, str]], alpha: float = 0.4
+                     ) -> np.ndarray:
+    if not regions:
+        return image
+    out = image.astype(np.float32)
+    for mask, colour, _ in regions:
+        out[mask] = (1 - alpha) * out[mask] + alpha * np.array(colour, np.float32)
+    return out.round().astype(np.uint8)
+
+
+def interior_point(mask: np.ndarray, grid: int = 128) -> tuple[float, float] | None:
+    """(x, y) deep inside `mask` (where a label sits well): the pixel that survives the most erosions, of those the
+    nearest the region's centroid; erosion on a grid of at most `grid` cells a side, for speed. None: empty mask."""
+    ys, xs = np.nonzero(mask)
+    if not len(ys):
+        return None
+    step = max(1, -(-max(mask.shape) // grid))
+    cells = mask[step // 2 :: step, step // 2 :: step]
+    deepest = cells
+    while cells.any():
+        deepest = cells
+        inner = np.zeros_like(cells)  # 4-neighbour erosion, outside the picture counting as outside
+        inner[1:-1, 1:-1] = (cells[1:-1, 1:-1] & cells[:-2, 1:-1] & cells[2:, 1:-1] & cells[1:-1, :-2]
+                             & cells[1:-1, 2:])
+        cells = inner
+    cy, cx = ys.mean(), xs.mean()
+    if deepest.any():  # on the grid: back to pixels
+        ys, xs = np.nonzero(deepest)
+        ys, xs = ys * step + step // 2, xs * step + step // 2
+    best = np.argmin((ys - cy) ** 2 + (xs - cx) ** 2)
+    return float(xs[best]), float(ys[best])
 
 
 def _font_files() -> list[str]:
@@ -135,16 +186,35 @@ def place_labels(anchors: Sequence[Box], sizes: Sequence[tuple[float, float]], w
     return placed[len(avoid):]
 
 
-def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool = True, title: str | None = None):
-    """HWC uint8 RGB + its prediction → a PIL image (save it as PNG)."""
+def draw_prediction(image: np.ndarray, prediction: Prediction, show_scores: bool = True, title: str | None = None,
+                    class_names: Sequence[str] | None = None):
+    """HWC uint8 RGB + its prediction → a PIL image (save it as PNG). `class_names`: the model's, for semantic classes
+    (panoptic segments and instances carry their own)."""
     from PIL import Image, ImageDraw
 
-    canvas = Image.fromarray(_overlay_masks(np.asarray(image), prediction.instances)).convert("RGB")
+    image = np.asarray(image)
+    regions = _regions(prediction, class_names)
+    if regions:
+        image = _overlay_regions(image[..., :3] if image.ndim == 3 else np.repeat(image[..., None], 3, 2), regions)
+    canvas = Image.fromarray(_overlay_masks(image, prediction.instances)).convert("RGB")
     draw = ImageDraw.Draw(canvas)
     face = font(max(11, min(canvas.size) // 40))
     width = max(1, min(canvas.size) // 300)
     title_box = _title(draw, canvas.size, title) if title else None
     anchors, sizes, labels = [], [], []
+    smallest = 0.001 * canvas.size[0] * canvas.size[1]  # regions smaller than this go unlabelled: clutter
+    for mask, colour, label in regions:
+        point = interior_point(mask) if mask.sum() >= smallest else None
+        label = displayable(label, face)
+        if point is None or not label:
+            continue
+        left, top, right, bottom = draw.textbbox((0, 0), label, font=face)
+        w, h = right - left + 4, bottom - top + 4
+        # a zero-height anchor below the point: place_labels' first choice (above it) centres the label on it
+        x, y = point
+        anchors.append((x - w / 2, y + h / 2, x + w / 2, y + h / 2))
+        sizes.append((w, h))
+        labels.append((label, colour, left, top))
     for i, inst in enumerate(prediction.instances):
         colour = _colour(i)
         shapes = _outlines(inst)
