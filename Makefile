@@ -5,12 +5,12 @@ PY     := $(VENV)/bin/python
 # torch and torchvision lie on this machine's disk; pin them so pip never pulls a multi-GB build from the registry.
 # Elsewhere: `make TORCH_SPEC="torch torchvision"`, or install your own torch into $(VENV) first.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-EXTRAS ?= serve,dev,slim,batch,fused,synth,eval
+EXTRAS ?= export,serve,dev,slim,batch,fused,synth,eval
 STAMP  := $(VENV)/.d2export-setup
 CONFIG ?= textdet_micro
 PYTEST_ARGS ?=
 
-.PHONY: setup test export demo bench clean
+.PHONY: setup test export demo bench wheel clean
 setup: $(STAMP)
 
 $(STAMP): setup.py scripts/install_detectron2.py Makefile d2export/runtime/native/msda_op.cc d2export/runtime/native/ort_abi.h \
@@ -35,5 +35,20 @@ bench: setup
 	$(PY) tools/benchmark.py msda
 	$(PY) tools/benchmark.py e2e --plot docs/performance.png
 
+# The runtime wheel, dist/d2export-<version>-<tags>.whl: the serving runtime (`pip install dist/d2export-*.whl`, add
+# `[export]` to export) with the MSDA operator's CPU kernel library and, where nvcc exists, its CUDA kernel library
+# (sm_75/80/86/89/90 machine code, sm_90 PTX; D2EXPORT_CUDA=0 leaves it out). Needs only the venv's build tools, not
+# `make setup`; build/ is emptied first so that no library built for other architectures is reused.
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' d2export/__init__.py)
+wheel:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import setuptools, wheel" 2>/dev/null || $(PY) -m pip install --quiet --upgrade pip wheel "setuptools<82"
+	rm -rf build
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+	@$(PY) -c "import sys, zipfile; names = zipfile.ZipFile(sys.argv[1]).namelist(); \
+	print(sys.argv[1] + ': the MSDA operator' + (\"'s CPU and CUDA kernel libraries\" if any('_msda_cuda' in n for n in names) \
+	      else \"'s CPU kernel library alone (no CUDA kernel: nvcc was not found, failed or D2EXPORT_CUDA=0)\"))" \
+	    "$$(ls -t dist/d2export-$(VERSION)-*.whl | head -1)"
+
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) outputs multirun .pytest_cache build dist

@@ -49,20 +49,22 @@ MSDA_NATIVE = Extension(
 
 # The same library with the operator's CUDA kernel beside the CPU one (d2export/runtime/native/msda_op_cuda.cu), built
 # where nvcc is found (PATH, else $CUDA_HOME/bin): d2export/runtime/_msda_cuda*.so, which d2export registers instead of
-# _msda_native where it exists (its CPU kernel is the same code, built with the same flags). Machine code for sm_80
-# (A100) and sm_90 (H100/H200) plus sm_90 PTX that newer GPUs compile when they load it; cudart linked statically, so
-# it needs only the driver, and only once a CUDA session runs it (it loads into a CPU-only onnxruntime without one).
-# Optional twice over: no nvcc, a failing nvcc, Windows or macOS, or D2EXPORT_CUDA=0 leaves the CPU library alone,
-# with one line saying so.
+# _msda_native where it exists (its CPU kernel is the same code, built with the same flags). Machine code for every GPU
+# a server is likely to hold: sm_75 (T4), sm_80 (A100, A30), sm_86 (A10, A40, RTX 30xx/A-series), sm_89 (L4, L40S,
+# RTX 40xx/Ada) and sm_90 (H100, H200), plus sm_90 PTX that newer GPUs (Blackwell) compile when they load it; cudart
+# linked statically, so it needs only the driver (cudart 13: R580 or newer), and only once a CUDA session runs it (it
+# loads into a CPU-only onnxruntime without one). Optional twice over: no nvcc, a failing nvcc, Windows or macOS, or
+# D2EXPORT_CUDA=0 leaves the CPU library alone, with one line saying so.
 CUDA_SOURCE = "d2export/runtime/native/msda_op_cuda.cu"
-CUDA_ARCHS = ["-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-              "-gencode", "arch=compute_90,code=compute_90"]
+CUDA_SM = (75, 80, 86, 89, 90)
+CUDA_ARCHS = [flag for sm in CUDA_SM for flag in ("-gencode", f"arch=compute_{sm},code=sm_{sm}")] + [
+    "-gencode", f"arch=compute_{CUDA_SM[-1]},code=compute_{CUDA_SM[-1]}"]
 NATIVE_HEADERS = ["d2export/runtime/native/ort_abi.h", "d2export/runtime/native/msda_op.h",
                   "d2export/runtime/native/msda_sample.h"]
 MSDA_CUDA = Extension(
     "d2export.runtime._msda_cuda",
     sources=["d2export/runtime/native/msda_op.cc"],  # plus CUDA_SOURCE, which BuildExt hands to nvcc
-    depends=NATIVE_HEADERS + [CUDA_SOURCE],
+    depends=NATIVE_HEADERS + [CUDA_SOURCE, "setup.py"],  # setup.py: CUDA_ARCHS
     define_macros=[("D2_MSDA_CUDA", "1")],
     extra_compile_args=NATIVE_FLAGS,
     export_symbols=["RegisterCustomOps"],
@@ -134,21 +136,23 @@ setup(
     package_data={"d2export": ["py.typed"]},
     ext_modules=[MSDA_NATIVE] + [MSDA_CUDA] * WANT_CUDA,
     cmdclass={"build_ext": BuildExt},
+    # `pip install d2export` is the serving runtime (infer, serve, triton-repo, batch with its extra): d2export.runtime
+    # imports neither torch nor detectron2 (tests/test_runtime_install.py installs it alone and serves a fused graph).
+    # onnx: a lone .onnx served from the manifest inside it (--embedded-manifest) is read with it.
     install_requires=[
-        # detectron2 is required too, but it is not on the registry for every Python: see scripts/install_detectron2.py
-        "torch>=2.1",
-        "torchvision>=0.16",
-        "onnx>=1.15",
-        "onnxscript>=0.2",  # the torch.export-based exporter (export.exporter=dynamo)
         *ORT,
-        "hydra-core>=1.3",
-        "omegaconf>=2.3",
+        "onnx>=1.15",
         "numpy>=1.23",
         "Pillow>=9.0",
-        "pydantic>=2",  # the manifest's schema, checked when read (the serving runtime too)
+        "pydantic>=2",  # the manifest's schema, checked when read
         "tqdm>=4",  # progress on long steps
     ],
     extras_require={
+        # exporting, verifying, diagnosing, evaluating and training: `pip install 'd2export[export]'`. detectron2 is
+        # needed too, but it is not on the registry for every Python: see scripts/install_detectron2.py
+        "export": ["torch>=2.1", "torchvision>=0.16", "onnx>=1.15",
+                   "onnxscript>=0.2",  # the torch.export-based exporter (export.exporter=dynamo)
+                   "hydra-core>=1.3", "omegaconf>=2.3"],
         "gpu": ["onnxruntime-gpu>=1.17"],
         "serve": ["fastapi>=0.100", "uvicorn>=0.23", "python-multipart>=0.0.6", "prometheus_client>=0.17"],
         "slim": ["onnxslim>=0.1.30"],

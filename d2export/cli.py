@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from d2export.commandline import HelpFormatter, one_line, parser  # noqa: F401 - HelpFormatter: d2export.cli's name too
+# HelpFormatter: d2export.cli's name too
+from d2export.commandline import HelpFormatter, export_side_missing, one_line, parser  # noqa: F401
 
 log = logging.getLogger("d2export")
 
@@ -29,6 +30,8 @@ COMMANDS = {
                  "a dataset's metrics under PyTorch and each exported model, side by side"),
     "synth": ("d2export.datasets.synth:synth_main", "make a labelled synthetic set (text or boxes) as COCO JSON"),
 }
+# the commands that need `pip install 'd2export[export]'` (torch, detectron2, Hydra…); the others serve with the runtime
+EXPORT_COMMANDS = ("export", "diagnose", "evaluate", "synth")
 
 
 def run_export(cfg: Any) -> dict:
@@ -110,7 +113,7 @@ def export_main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - one line per failure, the traceback on request
             if args.traceback or cfg.get("traceback", False):
                 raise
-            print(one_line(e), file=sys.stderr)
+            print(export_side_missing(e, "export") or one_line(e), file=sys.stderr)
             failures.append(str(e))
             return None
 
@@ -158,7 +161,14 @@ def main(argv: list[str] | None = None) -> int:
               "d2export --help)", file=sys.stderr)
         return 2
     module, func = COMMANDS[argv[0]][0].split(":")
-    return getattr(importlib.import_module(module), func)(argv[1:])
+    try:
+        return getattr(importlib.import_module(module), func)(argv[1:])
+    except ModuleNotFoundError as e:  # the export side asked of the serving runtime alone: the line that installs it
+        line = export_side_missing(e, argv[0]) if argv[0] in EXPORT_COMMANDS else None
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """The fused MSDA operator's CUDA build (d2export/runtime/native/msda_op_cuda.cu, built by setup.py where nvcc exists),
-checked without a GPU: the library carries sm_80 and sm_90 machine code and sm_90 PTX; the sampling header the CUDA
+checked without a GPU: the library carries the kernel's machine code for every serving GPU (sm_75, sm_80, sm_86, sm_89,
+sm_90) and sm_90 PTX, and needs nothing outside glibc, libstdc++ and libgcc at run time; the sampling header the CUDA
 kernel computes with (msda_sample.h) matches a float64 reference on the CPU, through the CUDA kernel's own per-element
 function compiled by the host compiler; and the library loads into a CPU-only onnxruntime (no GPU, no driver) and
 serves the fused operator there exactly as the CPU-only library does."""
 import ctypes
+import importlib.util
+import re
 import shutil
 import struct
 import subprocess
@@ -21,6 +24,14 @@ ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "d2export" / "runtime" / "native"
 FATBIN_MAGIC = 0xBA55ED50
 PTX, CUBIN = 1, 2  # a fatbin entry's kind
+SERVING_SM = (75, 80, 86, 89, 90)  # setup.py's CUDA_SM: T4, A100/A30, A10/A40/RTX 30, L4/L40S/RTX 40, H100/H200
+PTX_SM = 90  # the newest, which GPUs after it (Blackwell) compile at load
+KERNEL = "msda_forward"  # msda_op_cuda.cu's __global__ template (float and half)
+# what the library may ask the dynamic loader for: glibc's own libraries, libstdc++ and libgcc (no libcudart, no
+# libcuda: the driver is opened by the static cudart at run time, and only when a CUDA session runs the kernel)
+ALLOWED_NEEDED = {"libc.so.6", "libm.so.6", "libdl.so.2", "librt.so.1", "libpthread.so.0", "libstdc++.so.6",
+                  "libgcc_s.so.1", "ld-linux-x86-64.so.2"}
+GLIBC_AT_MOST = (2, 34)  # docs/setup.md: the newest glibc symbol version the libraries use (measured 2.34)
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +81,66 @@ def fatbin_entries(path: str) -> set[tuple[int, int]]:
     return found
 
 
-def test_library_carries_sm80_sm90_cubins_and_sm90_ptx(cuda_library):
+def cuobjdump() -> str | None:
+    """The CUDA toolkit's cuobjdump, else the one triton carries (torch's dependency, so in the export venv)."""
+    home = Path(shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc").resolve().parent
+    spec = importlib.util.find_spec("triton")
+    triton = [Path(p) / "backends" / "nvidia" / "bin" / "cuobjdump" for p in (spec.submodule_search_locations or [])] \
+        if spec else []
+    candidates = [home / "cuobjdump", Path("/usr/local/cuda/bin/cuobjdump"), *triton]
+    return shutil.which("cuobjdump") or next((str(p) for p in candidates if p.is_file()), None)
+
+
+def sass_functions(library: str, tool: str) -> dict[int, set[str]]:
+    """sm → the functions whose machine code the library holds for it (cuobjdump --dump-sass: 'code for sm_NN', then
+    'Function : <mangled name>' per kernel). An image without functions (a link step's stub) counts for nothing."""
+    listing = subprocess.run([tool, "--dump-sass", library], capture_output=True, text=True, check=True).stdout
+    found: dict[int, set[str]] = {}
+    sm = None
+    for line in listing.splitlines():
+        if m := re.match(r"\s*code for sm_(\d+)", line):
+            sm = int(m.group(1))
+            found.setdefault(sm, set())
+        elif (m := re.match(r"\s*Function : (\S+)", line)) and sm is not None:
+            found[sm].add(m.group(1))
+    return found
+
+
+def test_library_carries_machine_code_for_every_serving_gpu_and_ptx(cuda_library):
     sections = subprocess.run(["readelf", "-S", "-W", cuda_library], capture_output=True, text=True).stdout \
         if shutil.which("readelf") else ""
     assert ".nv_fatbin" in sections or not shutil.which("readelf"), sections[-2000:]
     entries = fatbin_entries(cuda_library)
-    assert {(CUBIN, 80), (CUBIN, 90), (PTX, 90)} <= entries, sorted(entries)
-    cuobjdump = shutil.which("cuobjdump") or next(
-        (str(p) for p in [Path("/usr/local/cuda/bin/cuobjdump")] if p.is_file()), None)
-    if cuobjdump:  # the toolkit's own reading, where it is installed (not on every build machine)
-        listed = subprocess.run([cuobjdump, "--list-elf", "--list-ptx", cuda_library], capture_output=True,
-                                text=True).stdout
-        assert "sm_80" in listed and "sm_90" in listed, listed
+    assert {(CUBIN, sm) for sm in SERVING_SM} | {(PTX, PTX_SM)} <= entries, sorted(entries)
+    assert not {(PTX, sm) for sm in SERVING_SM if sm != PTX_SM} & entries, sorted(entries)  # one PTX, the newest
+
+
+def test_every_architecture_holds_the_kernel_itself(cuda_library):
+    """A cubin listed is not a kernel present (the link step leaves an sm_75 stub with no function in it): each
+    architecture's machine code holds the kernel's float and half instantiations, and the PTX defines them too."""
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump here (the CUDA toolkit's or triton's)")
+    functions = sass_functions(cuda_library, tool)
+    kernels = {sm: {f for f in names if KERNEL in f} for sm, names in functions.items()}
+    want = kernels.get(PTX_SM, set())
+    assert len(want) == 2 and any("6__half" in f for f in want), functions
+    assert {sm: kernels.get(sm) for sm in SERVING_SM} == {sm: want for sm in SERVING_SM}, sorted(functions)
+    ptx = subprocess.run([tool, "--dump-ptx", cuda_library], capture_output=True, text=True, check=True).stdout
+    assert f".target sm_{PTX_SM}" in ptx and all(f".entry {f}" in ptx for f in want), ptx[:2000]
+
+
+def test_library_needs_only_glibc_libstdcxx_and_libgcc(cuda_library):
+    if not shutil.which("readelf"):
+        pytest.skip("no readelf")
+    dynamic = subprocess.run(["readelf", "-d", "-W", cuda_library], capture_output=True, text=True, check=True).stdout
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic))
+    assert needed and needed <= ALLOWED_NEEDED, sorted(needed)
+    symbols = subprocess.run(["readelf", "--dyn-syms", "-W", cuda_library], capture_output=True, text=True,
+                             check=True).stdout
+    glibc = max(tuple(map(int, v.split("."))) for v in re.findall(r"@GLIBC_([\d.]+)", symbols))
+    print(f"\n{Path(cuda_library).name}: NEEDED {sorted(needed)}; newest glibc symbol GLIBC_{'.'.join(map(str, glibc))}")
+    assert glibc <= GLIBC_AT_MOST, glibc
 
 
 def test_library_exports_only_registration_and_needs_no_cuda_library(cuda_library):

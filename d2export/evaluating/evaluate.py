@@ -239,16 +239,15 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)  # PyTorch and onnxruntime on as many threads: their latencies compare
     with tempfile.TemporaryDirectory(prefix="d2export-evaluate-") as tmp:
-        if precisions:
-            paths += export_precisions(config, overrides, precisions, Path(tmp) / "exported")
-        built = None
+        # the dataset first: a model built for it reads its metadata (class names, thing ids) as it is built; the
+        # config's stand-ins before any import, as export has them
+        cfg = None
         if config:
-            from d2export import pipeline
             from d2export.config import load
+            from d2export.patching import compiled_ops
 
-            built = pipeline.prepare(load(config, [*overrides, f"export.output_dir={tmp}"]))
-            for path in paths:
-                check_family(path, built.family)
+            cfg = load(config, [*overrides, f"export.output_dir={tmp}"])
+            compiled_ops.install(cfg.plugin.compiled_ops, cfg.plugin.import_only)
         for name in imports:
             importlib.import_module(name)
         if coco_json or image_root:
@@ -260,6 +259,15 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
         else:
             raise EvaluateError("which pictures? give --dataset NAME|FOLDER or --coco-json FILE --image-root DIR")
         records = dataset_records(name, max_images)
+        if precisions:
+            paths += export_precisions(config, overrides, precisions, Path(tmp) / "exported")
+        built = None
+        if cfg is not None:
+            from d2export import pipeline
+
+            built = pipeline.prepare(cfg)
+            for path in paths:
+                check_family(path, built.family)
         manifests = [Manifest.read(manifest_path(p)) for p in paths]
         family = built.family if built else families.get(manifests[0].family)
         kind = evaluator or family.evaluator
@@ -304,7 +312,7 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    from d2export.commandline import one_line, parser
+    from d2export.commandline import export_side_missing, one_line, parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser("d2export evaluate", "Evaluate a dataset under PyTorch (--config) and each exported model, side by "
@@ -356,6 +364,6 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - one line unless --traceback
         if args.traceback:
             raise
-        print(one_line(e), file=sys.stderr)
+        print(export_side_missing(e, "evaluate") or one_line(e), file=sys.stderr)
         return 2
     return 0
