@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/benchmark.py segmentation [--clone /src/Mask2Former] [--tasks panoptic instance semantic]
         [--sizes 320x320 480x640 640x480] [--batch 320x320 400x256] [--size 640] [--threads 2] [--rounds 3]
-        [--samplers gather fused] [--object-mask-threshold 0.2] [--out DIR]
+        [--samplers gather fused] [--object-mask-threshold 0.2] [--overlap-threshold 0] [--out DIR]
 
 Without --clone, the stand-in of third_party/mask2former (its full-size R-50 configs). One run, one machine:
 1. per task's config (COCO panoptic, COCO instance, ADE20K semantic; seeded random weights, conditioned as the
@@ -41,10 +41,11 @@ def _size(text: str) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def _overrides(clone: Path | None, task: str, out: Path, sampler: str, keep: float) -> list[str]:
+def _overrides(clone: Path | None, task: str, out: Path, sampler: str, keep: float, overlap: float) -> list[str]:
     root = clone or ROOT / "third_party" / "mask2former"
     over = [f"model.d2_config={root / CONFIGS[task]}", f"export.output_dir={out}", f"export.sampler={sampler}",
-            f"model.opts=[MODEL.MASK_FORMER.TEST.OBJECT_MASK_THRESHOLD,{keep}]"]
+            f"model.opts=[MODEL.MASK_FORMER.TEST.OBJECT_MASK_THRESHOLD,{keep},"
+            f"MODEL.MASK_FORMER.TEST.OVERLAP_THRESHOLD,{overlap}]"]
     return over + ([f"model.sys_path=[{clone}]"] if clone else [])
 
 
@@ -163,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--object-mask-threshold", type=float, default=0.2,
                     help="panoptic: seeded weights score no query past the configs' 0.8, so their panoptic maps would "
                          "be empty; this keeps some")
+    ap.add_argument("--overlap-threshold", type=float, default=0.0,
+                    help="panoptic: seeded weights' masks all overlap, so the configs' 0.8 would drop every segment")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_segmentation")
     args = ap.parse_args(argv)
 
@@ -180,7 +183,8 @@ def main(argv=None) -> int:
         predictors, built = {}, None
         for sampler in args.samplers:
             out = args.out / task / sampler
-            cfg = load("mask2former", _overrides(args.clone, task, out, sampler, args.object_mask_threshold))
+            cfg = load("mask2former", _overrides(args.clone, task, out, sampler, args.object_mask_threshold,
+                                                 args.overlap_threshold))
             built = pipeline.prepare(cfg, ROOT)
             start = time.perf_counter()
             manifest = pipeline.export(built.cfg, built=built)
