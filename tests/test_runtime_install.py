@@ -4,6 +4,7 @@ fused graph the full install exported and prints what the full install prints. A
 the runtime alone says in one line what to install."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -120,7 +121,7 @@ def _requirements(wheel: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runtime_venv(tmp_path_factory):
+def runtime_venv(tmp_path_factory, pytestconfig):
     """The wheel built from this checkout (D2EXPORT_CUDA=0: nvcc has no part in the suite; `make wheel` builds the
     CUDA library too) and a fresh venv holding it and its requirements alone. Built once per run."""
     root = tmp_path_factory.mktemp("runtime_install")
@@ -156,8 +157,11 @@ def runtime_venv(tmp_path_factory):
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     timings["pip install"] = time.perf_counter() - start
     size = _du_mb(venv)
-    print(f"\nruntime venv: {size:.0f} MB ({' '.join(requirements)}); wheel {wheel.name} "
-          f"{wheel.stat().st_size / 2**20:.1f} MB; " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+    line = (f"runtime venv: {size:.0f} MB ({' '.join(requirements)}); wheel {wheel.name} "
+            f"{wheel.stat().st_size / 2**20:.1f} MB; " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        print("\n" + line)  # shown even when the tests pass
     return {"python": python, "d2export": venv / "bin" / "d2export", "wheel": wheel, "size_mb": size, "env": env,
             "root": root}
 
