@@ -66,12 +66,15 @@ class DetrAdapter(nn.Module):
         batch, sizes = pad_batch(images)
         return {"images": batch, "image_sizes": sizes}
 
-    def forward(self, images: Tensor, image_sizes: Tensor) -> tuple[Tensor, ...]:
+    def normalised(self, images: Tensor, image_sizes: Tensor) -> Tensor:
+        """The batch normalised and zero beyond each image, as detectron2's ImageList pads after normalising."""
         x = (images.float() - self.pixel_mean) / self.pixel_std
-        # zero beyond each image, as detectron2's ImageList pads after normalising
         rows = torch.arange(x.shape[2], device=x.device)[None, :, None] < image_sizes[:, 0, None, None]
         cols = torch.arange(x.shape[3], device=x.device)[None, None, :] < image_sizes[:, 1, None, None]
-        x = x * (rows & cols)[:, None].to(x.dtype)
+        return x * (rows & cols)[:, None].to(x.dtype)
+
+    def forward(self, images: Tensor, image_sizes: Tensor) -> tuple[Tensor, ...]:
+        x = self.normalised(images, image_sizes)
         return self.decode(self.head(ImageBatch(x.contiguous(), image_sizes)), image_sizes)
 
     @torch.no_grad()
