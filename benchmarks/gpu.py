@@ -1,7 +1,8 @@
 """GPU benchmark: the text spotter on one NVIDIA GPU, eager PyTorch against onnxruntime's CUDA provider.
 
     python tools/benchmark.py gpu [--config textdet] [--model GRAPH.onnx] [--size 640] [--batches 1 8]
-        [--rounds 20] [--upstream-msda DIR] [--simplified] [--out DIR] [--json FILE]
+        [--rounds 20] [--upstream-msda DIR] [--simplified] [--out DIR] [--json FILE] [--no-plugin]
+        [--no-placement] [--settings-batches 8] [--export-only]
 
 Rows, each at every batch size (the same pictures, --size², in every row):
 - eager PyTorch with the compiled MSDA kernel the user has (--upstream-msda: a folder holding Deformable-DETR's
@@ -25,22 +26,28 @@ The serving route (unless --no-fused): per batch size a fixed-size graph with th
 each run as the Predictor does and replaying a CUDA graph (`d2export.runtime.bound_runs`, `--cuda-graph`); what
 `host_copies.census` predicts and the Memcpy nodes onnxruntime really inserted; eager also under autocast float16;
 the fused graph's parity with the CPU provider; and the ratios the serving goals are stated in.
+
+The CUDA provider's settings (issue 69): on the fixed-size fused graphs, at each of --settings-batches, every setting
+of `SETTINGS` is a row of its own over the verified one (float16 with tensor cores, use_tf32=1; fused convolution
+bias; MatMul+Add left unfused, so no broadcast-bias kernel before cuBLAS; NHWC convolutions), then at every batch
+d2export's defaults for the graph's precision (what the Predictor serves with: `cuda_options`, MatMulAddFusion off),
+with and without CUDA graphs; the --model graph gets a defaults row too. Each of these rows carries its per-slot
+parity with the float32 graph on the CPU provider at its batch (`parity_vs_cpu`). A SIGTERM (a `timeout`) still writes
+what was measured.
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import gc
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-import numpy as np
 
 from benchmarks.e2e import parity
 from d2export.commandline import parser
@@ -64,7 +71,8 @@ def torch2_sources(src: Path, dest: Path) -> list[Path]:
             text = pattern.sub(replacement, text)
         target = dest / path.relative_to(src)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
+        if not target.is_file() or target.read_text() != text:  # unchanged sources keep their time: no rebuild
+            target.write_text(text)
         if path.suffix in (".cpp", ".cu"):
             files.append(target)
     return files
@@ -187,17 +195,58 @@ def process_gpu_gb() -> float:
         return float("nan")
 
 
-def cuda_session(path: Path, profile_prefix: str | None = None, cuda_graph: bool = False):
+# --- the CUDA provider's settings -----------------------------------------------------------------------------
+VERIFIED = {"use_tf32": "0"}  # what verification compared: onnxruntime's defaults, TF32 off
+DEFAULTS = "d2export defaults"
+# each setting alone over VERIFIED: (CUDA provider options, graph transformers disabled, float16 graphs only)
+SETTINGS = {
+    "tensor cores (use_tf32=1)": ({"use_tf32": "1"}, (), True),  # float32 graphs stay exact
+    "fused conv bias": ({"fuse_conv_bias": "1"}, (), False),
+    "MatMul+Add unfused": ({}, ("MatMulAddFusion",), False),
+    "NHWC": ({"prefer_nhwc": "1"}, (), False),
+}
+
+
+def setting(name: str | None, precision: str) -> tuple[dict, tuple]:
+    """A row's CUDA provider options and disabled graph transformers: None is the verified session, DEFAULTS the
+    Predictor's own for a graph of `precision`, else one of SETTINGS over the verified session."""
+    from d2export.runtime.predictor import CUDA_DISABLED_OPTIMIZERS, options_per_provider
+
+    if name is None:
+        return dict(VERIFIED), ()
+    if name == DEFAULTS:
+        return options_per_provider(["CUDAExecutionProvider"], precision=precision)[0], CUDA_DISABLED_OPTIMIZERS
+    options, disabled, _ = SETTINGS[name]
+    return VERIFIED | options, disabled
+
+
+def fixed_rows(precision: str, settings: bool) -> list[tuple[str | None, bool]]:
+    """The fixed-size fused graph's rows at one batch, as (setting, CUDA graph): verified and the defaults, each with
+    and without CUDA graphs, and with `settings` each setting that applies to `precision` alone."""
+    each = [(name, False) for name, (_, _, half_only) in SETTINGS.items() if precision == "float16" or not half_only]
+    return [(None, False), (None, True)] + (each if settings else []) + [(DEFAULTS, False), (DEFAULTS, True)]
+
+
+def row_label(base: str, name: str | None, graphs: bool = False) -> str:
+    return base + (f", {name}" if name else "") + (", CUDA graph" if graphs else "")
+
+
+def cuda_session(path: Path, profile_prefix: str | None = None, cuda_graph: bool = False,
+                 options: dict | None = None, disabled: tuple = ()):
+    """The graph on the CUDA provider with `options` (default: VERIFIED) and the graph transformers `disabled`."""
     import onnxruntime as ort
 
     from d2export.exporting.sessions import session_options
+    from d2export.runtime.predictor import DISABLED_OPTIMIZERS_KEY
 
     opts = session_options(path)  # the fused operator's library registered where the graph has it
     opts.log_severity_level = 3
+    if disabled:
+        opts.add_session_config_entry(DISABLED_OPTIMIZERS_KEY, ";".join(disabled))
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
-    cuda = {"use_tf32": "0"} | ({"enable_cuda_graph": "1"} if cuda_graph else {})
+    cuda = dict(VERIFIED if options is None else options) | ({"enable_cuda_graph": "1"} if cuda_graph else {})
     session = ort.InferenceSession(str(path), opts, providers=[("CUDAExecutionProvider", cuda),
                                                                 "CPUExecutionProvider"])
     if session.get_providers()[0] != "CUDAExecutionProvider":
@@ -249,11 +298,16 @@ def placement(path: Path, feed: dict, tmp: Path) -> dict:
             "cpu_ops": dict(on_cpu.most_common(8)), "cpu_nodes_ms": cpu_ms}
 
 
-def timed_row(rows: dict, label: str, batch: int, run, rounds: int, out: Path, before_gb: float) -> None:
-    """One onnxruntime row at one batch: wall times, the GPU memory the session added, one traced call."""
+def timed_row(rows: dict, label: str, batch: int, run, rounds: int, out: Path, before_gb: float,
+              reference: tuple | None = None) -> None:
+    """One onnxruntime row at one batch: wall times, the GPU memory the session added, one traced call; with
+    `reference` (output names, the CPU provider's outputs for these pictures) the per-slot parity of what `run`
+    returns."""
     row = guarded(f"{label} batch {batch}", time_calls, run, rounds, batch)
     row["process_gpu_gb"] = process_gpu_gb() - before_gb
     row.update(guarded(f"{label} GPU trace", traced_gpu_activity, run, out))
+    if reference:
+        row["parity_vs_cpu"] = guarded(f"{label} parity", lambda: parity(*reference, run()))
     rows.setdefault(label, {})[batch] = row
     print(f"{label:40s} batch {batch}: {row}", flush=True)
 
@@ -283,7 +337,25 @@ def main(argv=None):
     p.add_argument("--json", help="also write every figure here")
     p.add_argument("--no-fused", dest="fused", action="store_false",
                    help="skip the fixed-size fused graphs (float32, float16, with and without CUDA graphs)")
+    p.add_argument("--no-plugin", dest="plugin", action="store_false",
+                   help="skip eager PyTorch on the plugin's MSDA (the compiled kernel's rows stay: the goals' base)")
+    p.add_argument("--no-placement", dest="placement", action="store_false",
+                   help="skip the profiled runs that count nodes per provider and Memcpy nodes, and the census")
+    p.add_argument("--settings-batches", type=int, nargs="+",
+                   help="the batches at which each CUDA setting gets a row of its own (default: every batch; the "
+                        "verified session and d2export's defaults run at every batch)")
+    p.add_argument("--export-only", action="store_true",
+                   help="export the fixed-size fused graphs and their float16 copies into --out, then stop (a later "
+                        "run with the same --out uses them)")
     args = p.parse_args(argv)
+
+    if args.export_only:
+        if not args.out:
+            p.error("--export-only needs --out (where the later run finds the graphs)")
+        for batch in args.batches:
+            made = guarded(f"fused export, batch {batch}", fixed_fused_graphs, args, Path(args.out), batch)
+            print(f"batch {batch}: {made}", flush=True)
+        return 0
 
     import onnxruntime as ort
     import torch
@@ -301,28 +373,23 @@ def main(argv=None):
           f"config {args.config}, {args.size}², TF32 off", flush=True)
     results: dict = {"device": props.name, "torch": torch.__version__, "onnxruntime": ort.__version__,
                      "size": args.size, "rows": {}}
+    # a `timeout` ends the run with SIGTERM: what was measured is still printed and written (finally, below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return measure(args, out, results)
+    finally:
+        print_table(results, args.batches)
+        print_goals(results)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
-    # graphs: float32 (given or exported here) and its float16 copy
-    from d2export.exporting.fp16 import to_float16
+
+def measure(args, out: Path, results: dict) -> int | None:
+    """The rows in the order that matters when a `timeout` cuts the run short: eager (the goals' base), the fixed-size
+    fused graphs with every CUDA setting, then the --model graph."""
+    import torch
+
     from d2export.tracing import dummy_images
-
-    graph = Path(args.model) if args.model else out / "gather.onnx"
-    if not args.model:
-        from benchmarks.e2e import export_in_child
-
-        info = export_in_child(args.config, "gather", "torchscript", graph)
-        print(f"exported {graph} in {info['export_s']:.0f} s ({info['nodes']} nodes)", flush=True)
-    import onnx
-
-    half = out / (graph.stem + "_fp16.onnx")
-    onnx.save(to_float16(onnx.load(str(graph))), str(half))
-    graphs = [("float32", graph, (False, True)), ("float16", half, (False, True))]
-    if args.simplified:  # export.simplify=true: onnxslim folds shape arithmetic that the CUDA provider runs on the CPU
-        import onnxslim
-
-        slim = out / (graph.stem + "_slim.onnx")
-        onnx.save(onnxslim.slim(onnx.load(str(graph))), str(slim))
-        graphs.append(("float32 onnxslim", slim, (False,)))
 
     ext = guarded("upstream MSDA build", build_upstream, Path(args.upstream_msda), out / "msda_build") \
         if args.upstream_msda else None
@@ -336,7 +403,8 @@ def main(argv=None):
         models["eager, compiled MSDA kernel"] = False
     elif isinstance(ext, dict):
         rows["eager, compiled MSDA kernel"] = ext
-    models["eager, d2export plugin"] = True
+    if args.plugin or not models:  # the inputs come from an eager model: the plugin's where the kernel is missing
+        models["eager, d2export plugin"] = True
 
     pictures = dummy_images([(args.size, args.size)] * max(args.batches), seed=123)
     adapter_for_inputs = None
@@ -363,6 +431,44 @@ def main(argv=None):
               file=sys.stderr)
         return 1
     feeds = {batch: adapter_for_inputs.graph_inputs(pictures[:batch]) for batch in args.batches}
+    if args.fused:
+        fused_rows(args, out, feeds, results)
+    model_rows(args, out, feeds, results)
+    return None
+
+
+def model_rows(args, out: Path, feeds: dict, results: dict) -> None:
+    """The --model graph (default: the config's gather graph, exported here) and its float16 copy: as verified, fed
+    from the host as the Predictor does and (float32) with IO binding, and with d2export's defaults; their placement;
+    CUDA graphs tried; parity with the graph on the CPU provider at the smallest batch."""
+    import onnx
+    import onnxruntime as ort
+
+    from d2export.exporting.fp16 import to_float16
+    from d2export.exporting.sessions import session_options
+
+    graph = Path(args.model) if args.model else out / "gather.onnx"
+    if not args.model:
+        from benchmarks.e2e import export_in_child
+
+        info = export_in_child(args.config, "gather", "torchscript", graph)
+        print(f"exported {graph} in {info['export_s']:.0f} s ({info['nodes']} nodes)", flush=True)
+    half = out / (graph.stem + "_fp16.onnx")
+    onnx.save(to_float16(onnx.load(str(graph))), str(half))
+    # IO binding (inputs and outputs left on the GPU) bought nothing in float16 either (docs/gpu.md): float32 only
+    graphs = [("float32", graph, (False, True)), ("float16", half, (False,))]
+    if args.simplified:  # export.simplify=true: onnxslim folds shape arithmetic that the CUDA provider runs on the CPU
+        import onnxslim
+
+        slim = out / (graph.stem + "_slim.onnx")
+        onnx.save(onnxslim.slim(onnx.load(str(graph))), str(slim))
+        graphs.append(("float32 onnxslim", slim, (False,)))
+
+    rows = results["rows"]
+    first = min(args.batches)  # what `d2export export` verified: the float32 graph on the CPU provider
+    cpu = ort.InferenceSession(str(graph), session_options(graph), providers=["CPUExecutionProvider"])
+    reference = ([o.name for o in cpu.get_outputs()], cpu.run(None, feeds[first]))
+    del cpu
     for precision, path, bindings in graphs:
         for binding in bindings:
             label = f"onnxruntime CUDA, {precision}" + (", IO binding" if binding else "")
@@ -374,89 +480,117 @@ def main(argv=None):
                 continue
             for batch in args.batches:
                 run = bound_runner(session, feeds[batch]) if binding else (lambda f=feeds[batch]: session.run(None, f))
-                timed_row(rows, label, batch, run, args.rounds, out, before)
+                timed_row(rows, label, batch, run, args.rounds, out, before,
+                          reference if batch == first and not binding else None)
             del session, run
-        results["placement_" + precision] = guarded(f"{precision} placement", placement, path, feeds[1], out)
-        print(f"{precision} graph on the CUDA provider, batch 1: {results['placement_' + precision]}", flush=True)
+        graph_rows(rows, f"onnxruntime CUDA, {precision}", [(DEFAULTS, False)], precision, path, feeds, args, out,
+                   {first: reference})
+        if args.placement:
+            results["placement_" + precision] = guarded(f"{precision} placement", placement, path, feeds[first], out)
+            print(f"{precision} graph on the CUDA provider, batch {first}: {results['placement_' + precision]}",
+                  flush=True)
     results["cuda_graph"] = guarded("CUDA graphs", lambda: time_calls(
-        bound_runner(cuda_session(graph, cuda_graph=True), feeds[1]), args.rounds, 1))
-    print(f"onnxruntime CUDA, float32, CUDA graphs, batch 1: {results['cuda_graph']}", flush=True)
+        bound_runner(cuda_session(graph, cuda_graph=True), feeds[first]), args.rounds, first))
+    print(f"onnxruntime CUDA, float32, CUDA graphs, batch {first}: {results['cuda_graph']}", flush=True)
+    # the CUDA provider against the graph on the CPU provider (what `d2export export` verified)
+    results["parity_cuda_vs_cpu"] = rows.get("onnxruntime CUDA, float32", {}).get(first, {}).get(
+        "parity_vs_cpu", {"error": "row missing"})
+    print(f"parity, CUDA provider vs CPU provider, float32, batch {first}: {results['parity_cuda_vs_cpu']}",
+          flush=True)
 
-    if args.fused:
-        fused_rows(args, out, feeds, results)
 
-    # parity: the CUDA provider against the graph on the CPU provider (what `d2export export` verified)
-    cpu = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
-    names = [o.name for o in cpu.get_outputs()]
-    reference = cpu.run(None, feeds[1])
-    results["parity_cuda_vs_cpu"] = guarded("parity", lambda: parity(names, reference,
-                                                                      cuda_session(graph).run(None, feeds[1])))
-    print(f"parity, CUDA provider vs CPU provider, float32, batch 1: {results['parity_cuda_vs_cpu']}", flush=True)
+def graph_rows(rows: dict, base: str, which, precision: str, path: Path, feeds: dict, args, out: Path,
+               references: dict) -> None:
+    """`which` ((setting, CUDA graph) pairs) on the graph at `path`, each its own session, run as the Predictor runs
+    it at every batch in `feeds`; where `references` has the batch, the per-slot parity with the CPU provider."""
+    from d2export.runtime.bound_runs import BoundRuns
 
-    print_table(results, args.batches)
-    print_goals(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    for name, graphs in which:
+        label = row_label(base, name, graphs)
+        options, disabled = setting(name, precision)
+        gc.collect()
+        before = process_gpu_gb()
+        session = guarded(label, cuda_session, path, cuda_graph=graphs, options=options, disabled=disabled)
+        if isinstance(session, dict):
+            rows[label] = session
+            print(f"{label}: {session}", flush=True)
+            continue
+        rows.setdefault(label, {})["options"] = {"cuda": options, "disabled_optimizers": list(disabled)}
+        runner = BoundRuns(session, [o.name for o in session.get_outputs()], "cuda") if graphs else None
+        for batch, feed in feeds.items():
+            run = (lambda f=feed: list(runner.run(f).values())) if runner else (lambda f=feed: session.run(None, f))
+            timed_row(rows, label, batch, run, args.rounds, out, before,
+                      (references[batch][0], references[batch][1]) if batch in references else None)
+        del session, runner
+
+
+def fixed_fused_graphs(args, out: Path, batch: int) -> dict:
+    """The fixed-size fused graph for `batch` (`export.sampler=fused export.dynamic=false`, `fused_b{batch}.onnx`)
+    and its float16 copy in `out`, each made unless already there (`--export-only` makes them ahead)."""
+    import onnx
+
+    from benchmarks.e2e import export_in_child
+    from d2export.exporting.fp16 import to_float16
+
+    graph, half = out / f"fused_b{batch}.onnx", out / f"fused_b{batch}_fp16.onnx"
+    made = {"float32": str(graph), "float16": str(half)}
+    out.mkdir(parents=True, exist_ok=True)
+    if not graph.is_file():
+        partial = out / f".fused_b{batch}.partial.onnx"  # a graph is there whole or not at all
+        sizes = ",".join([f"[{args.size},{args.size}]"] * batch)
+        info = export_in_child(args.config, "fused", "torchscript", partial, "export.dynamic=false",
+                               f"export.dummy_sizes=[{sizes}]")
+        partial.replace(graph)
+        made["export_s"], made["nodes"] = info["export_s"], info["nodes"]
+    if not half.is_file():
+        partial = out / f".fused_b{batch}_fp16.partial.onnx"
+        onnx.save(to_float16(onnx.load(str(graph))), str(partial))
+        partial.replace(half)
+    return made
 
 
 def fused_rows(args, out: Path, feeds: dict, results: dict) -> None:
     """The serving route, per batch: the fixed-size fused graph and its float16 copy, run as the Predictor does and
-    replaying CUDA graphs; their predicted and measured host copies; the float32 graph's parity with the CPU."""
-    import onnx
+    replaying CUDA graphs, verified and with each CUDA setting (`fixed_rows`); their predicted and measured host
+    copies; every row's parity with the float32 graph on the CPU provider at its batch."""
     import onnxruntime as ort
 
-    from benchmarks.e2e import export_in_child
-    from d2export.exporting.fp16 import to_float16
     from d2export.exporting.host_copies import census
     from d2export.exporting.sessions import session_options
-    from d2export.runtime.bound_runs import BoundRuns
 
     rows = results["rows"]
+    settings_batches = set(args.settings_batches or args.batches)
     for batch in args.batches:
-        graph = out / f"fused_b{batch}.onnx"
-        sizes = ",".join([f"[{args.size},{args.size}]"] * batch)
-        info = guarded(f"fused export, batch {batch}", export_in_child, args.config, "fused", "torchscript", graph,
-                       "export.dynamic=false", f"export.dummy_sizes=[{sizes}]")
-        if "error" in info:
+        made = guarded(f"fused export, batch {batch}", fixed_fused_graphs, args, out, batch)
+        if "error" in made:
             continue
-        print(f"exported {graph} in {info['export_s']:.0f} s ({info['nodes']} nodes)", flush=True)
-        half = out / f"fused_b{batch}_fp16.onnx"
-        onnx.save(to_float16(onnx.load(str(graph))), str(half))
-        for precision, path in (("float32", graph), ("float16", half)):
-            results[f"census_fused_{precision}_b{batch}"] = guarded("census", census, path)
-            results[f"placement_fused_{precision}_b{batch}"] = guarded(
-                f"fused {precision} placement", placement, path, feeds[batch], out)
-            print(f"fused {precision} b{batch}: predicted {results[f'census_fused_{precision}_b{batch}']}; "
-                  f"on the GPU {results[f'placement_fused_{precision}_b{batch}']}", flush=True)
-            for graphs in (False, True):
-                label = f"onnxruntime CUDA, fused fixed-size, {precision}" + (", CUDA graph" if graphs else "")
-                gc.collect()
-                before = process_gpu_gb()
-                session = guarded(label, cuda_session, path, cuda_graph=graphs)
-                if isinstance(session, dict):
-                    rows.setdefault(label, {})[batch] = session
-                    continue
-                feed = feeds[batch]
-                if graphs:
-                    runner = BoundRuns(session, [o.name for o in session.get_outputs()], "cuda")
-                    run = lambda r=runner, f=feed: r.run(f)  # noqa: E731
-                else:
-                    run = lambda s=session, f=feed: s.run(None, f)  # noqa: E731
-                timed_row(rows, label, batch, run, args.rounds, out, before)
-                del session, run
-        if batch == min(args.batches):  # parity, slot by slot, with the CPU provider (the verified side)
-            cpu = ort.InferenceSession(str(graph), session_options(graph), providers=["CPUExecutionProvider"])
-            names = [o.name for o in cpu.get_outputs()]
-            reference = cpu.run(None, feeds[batch])
-            results["parity_fused_cuda_vs_cpu"] = guarded("fused parity", lambda: parity(
-                names, reference, cuda_session(graph).run(None, feeds[batch])))
+        print(f"fused graphs, batch {batch}: {made}", flush=True)
+        graph = Path(made["float32"])
+        cpu = ort.InferenceSession(str(graph), session_options(graph), providers=["CPUExecutionProvider"])
+        reference = ([o.name for o in cpu.get_outputs()], cpu.run(None, feeds[batch]))
+        del cpu
+        for precision in ("float32", "float16"):
+            path = Path(made[precision])
+            if args.placement:
+                results[f"census_fused_{precision}_b{batch}"] = guarded("census", census, path)
+                results[f"placement_fused_{precision}_b{batch}"] = guarded(
+                    f"fused {precision} placement", placement, path, feeds[batch], out)
+                print(f"fused {precision} b{batch}: predicted {results[f'census_fused_{precision}_b{batch}']}; "
+                      f"on the GPU {results[f'placement_fused_{precision}_b{batch}']}", flush=True)
+            graph_rows(rows, f"onnxruntime CUDA, fused fixed-size, {precision}",
+                       fixed_rows(precision, batch in settings_batches), precision, path, {batch: feeds[batch]},
+                       args, out, {batch: reference})
+        if batch == min(args.batches):  # the verified session's parity, as the earlier runs reported it
+            verified = rows.get("onnxruntime CUDA, fused fixed-size, float32", {}).get(batch, {})
+            results["parity_fused_cuda_vs_cpu"] = verified.get("parity_vs_cpu", {"error": "row missing"})
             print(f"parity, fused float32 b{batch}, CUDA vs CPU provider: {results['parity_fused_cuda_vs_cpu']}",
                   flush=True)
 
 
 def print_goals(results: dict) -> None:
     """The serving goals as ratios (eager time / onnxruntime time: above 1 the export is faster), where both rows
-    ran: the best fused float32 and float16 rows against eager on the compiled kernel in float32 and under autocast."""
+    ran: the best fused float32 and float16 rows (verified or d2export's defaults, which keep float32 exact; with or
+    without CUDA graphs) against eager on the compiled kernel in float32 and under autocast."""
     rows = results["rows"]
 
     def ms(label, batch):
@@ -467,20 +601,23 @@ def print_goals(results: dict) -> None:
     lines = []
     for batch in (1, 8):
         for precision, base in (("float32", eager), ("float16", eager), ("float16", eager + ", autocast float16")):
-            ours = [ms(f"onnxruntime CUDA, fused fixed-size, {precision}{g}", batch) for g in ("", ", CUDA graph")]
+            ours = [ms(row_label(f"onnxruntime CUDA, fused fixed-size, {precision}", name, graphs), batch)
+                    for name in (None, DEFAULTS) for graphs in (False, True)]
             ours = [v for v in ours if v]
             theirs = ms(base, batch)
             if ours and theirs:
-                lines.append(f"  batch {batch}: {base} / fused {precision} (best of with and without CUDA graphs) = "
-                             f"{theirs / min(ours):.2f}x")
+                lines.append(f"  batch {batch}: {base} / fused {precision} (best of verified and {DEFAULTS}, with "
+                             f"and without CUDA graphs) = {theirs / min(ours):.2f}x")
     print("\n## goals (x: eager ms per picture / onnxruntime's)\n" + ("\n".join(lines) or "  (rows missing)"))
 
 
 def print_table(results: dict, batches) -> None:
     print(f"\n## {results['device']}, {results['size']}² (medians; ms per call and per picture; the GPU's kernels' "
           "ms in one traced call and the copies to the device; peak GPU GB)")
-    print(f"{'runner':44s} " + " ".join(f"{f'b{b} call':>9s} {f'b{b} pic':>8s} {'kernels':>7s} {'HtoD':>5s} {'GB':>5s}"
-                                        for b in batches))
+    width = max([44] + [len(label) for label in results["rows"]])
+    print(f"{'runner':{width}s} " + " ".join(
+        f"{f'b{b} call':>9s} {f'b{b} pic':>8s} {'kernels':>7s} {'HtoD':>5s} {'GB':>5s}" for b in batches))
+    checked = []
     for label, by_batch in results["rows"].items():
         cells = []
         for b in batches:
@@ -488,7 +625,14 @@ def print_table(results: dict, batches) -> None:
             gb = row.get("peak_gb", row.get("process_gpu_gb", float("nan")))
             cells.append(f"{row.get('wall_ms', float('nan')):9.1f} {row.get('per_picture_ms', float('nan')):8.1f} "
                          f"{row.get('kernel_ms', float('nan')):7.1f} {row.get('copies_to_device', -1):5d} {gb:5.2f}")
-        print(f"{label:44s} " + " ".join(cells))
+            if isinstance(row.get("parity_vs_cpu"), dict):
+                checked.append((label, b, row["parity_vs_cpu"]))
+        print(f"{label:{width}s} " + " ".join(cells))
+    if checked:
+        print("\n## parity with the float32 graph on the CPU provider (largest differences; the share of ids equal)")
+        for label, b, found in checked:
+            print(f"{label:{width}s} b{b}: " + ", ".join(
+                f"{k} {v:.3g}" if "error" not in found else str(found["error"])[:120] for k, v in found.items()))
 
 
 if __name__ == "__main__":

@@ -6,20 +6,30 @@
 #   pack DIR: HERE, not there: build .gpu/ and .gpu1 … .gpu5 (git-ignored through .git/info/exclude) from the
 #           registry, this venv and DIR, a Deformable-DETR checkout's models/ops
 #   prep:   (carry .gpu .gpu1) stash piece 1, install the small dependencies, start in the background: the upstream
-#           kernel's build, the R-50 spotter's export on CUDA (verified on the CPU provider), the held-out sets
+#           kernel's build, the R-50 spotter's dynamic fused export on CUDA (the GPU route; verified on the CPU
+#           provider), the benchmark's fixed-size fused graphs (batch 1 and 8, float32 and float16), the trained micro
+#           spotter's float32 and float16 exports, the held-out sets
 #   stash N: (carry .gpuN, N = 2 … 4, each call within 30 s of the last: the machine stays warm that long)
 #   run:    (carry .gpu5 and d2export/runtime/_msda_cuda*.so, the fused operator's library built here with nvcc for
-#           sm_80/sm_90) assemble onnxruntime-gpu, then: the benchmark (eager fp32 and autocast fp16; the dynamic
-#           gather graph; per batch the fixed-size fused graph in fp32 and fp16, with and without CUDA graphs, its
-#           predicted and real host copies, parity with the CPU provider; the goals as ratios), the trained micro
-#           spotter exported with verify.providers=[cuda], both trained models evaluated through the CUDA provider,
-#           the CUDA-only test
-# Six calls, about 9 minutes of device time in all (the first start about 1).
+#           sm_80/sm_90) issue 69's figures in one call of under 8 minutes (RUN_BUDGET seconds; each step is given
+#           what is left, the log says each one's start): assemble onnxruntime-gpu, then the benchmark (eager fp32 and
+#           autocast fp16 on the compiled kernel; the dynamic fused graph in fp32 and fp16 as verified and with
+#           d2export's defaults; per batch the fixed-size fused graphs verified, with each CUDA setting alone at batch
+#           8, with the defaults, with and without CUDA graphs, each row's parity with the CPU provider; the goals as
+#           ratios; the rows in that order, so that a cut run loses the --model graph's first), then
+#           benchmarks/msda_kernel_gpu.py (the fused kernel against upstream's; its failure stops nothing).
+#           Everything is in $OUT/run.log
+#   checks: (carry .gpu5 and the library, after run on the same machine) the trained micro spotter (exported by
+#           prep) evaluated through the CUDA provider with d2export's defaults, float32 and float16; then what issue
+#           53's run measured: the micro spotter exported with verify.providers=[cuda], the box fixture evaluated
+#           through the CUDA provider, the CUDA-only test
+# Six calls, about 11 minutes of device time in all (the first start about 1).
 #   train MINUTES [KEY VALUE ...]: (carry .gpu; one call) train the micro spotter on the GPU from the fixture, e.g.
 #           `train 6 --batch 16 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4`; score what comes back here with
-#           `d2export evaluate` on the held-out set before it may become the fixture (tools/train_spotter.py --fixture)
+#           `d2export evaluate` on the held-out set before it may become the fixture
+#           (training/train_spotter.py --fixture)
 #   recipe PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]: (carry .gpu; one call) issue 52's two steps on the GPU:
-#           tools/pretrain_glyphs.py teaches the fixture's stem-res3 characters (batch 32), then train_spotter.py
+#           training/pretrain_glyphs.py teaches the fixture's stem-res3 characters (batch 32), then train_spotter.py
 #           goes on from those weights with the text slots on their shares of the box and the glyph classifier kept
 #           on the encoder's memory (--glyph-weight 5: no wear of its features on a CPU probe); back under
 #           $OUT: both curves, the pretraining's record, the feature probe of its weights, the last float16 spotter
@@ -35,7 +45,7 @@ in_repo() { (cd $W/repo && PYTHONPATH=$W/repo:/tmp/ortsite:/tmp/site "$@"); }
 train_on_gpu() {  # INIT MINUTES [ARGS ...]: the micro spotter trained on the GPU from INIT; its curve and last
   # float16 weights (7.5 MB) come back under $OUT. The pictures are drawn on the fly by 12 of the 16 cores (an endless
   # stream); torch keeps 4 for the step's host work
-  in_repo python3 tools/train_spotter.py --device cuda --threads 4 --workers 12 --out $W/spotter \
+  in_repo python3 training/train_spotter.py --device cuda --threads 4 --workers 12 --out $W/spotter \
     --config third_party/testr/configs/micro_spotter.yaml --init "$1" \
     --eval-count 100 --eval-seed 2 --iters 1000000 --minutes "$2" --eval-every 1000 "${@:3}" 2>&1 \
     | grep -v "it/s\]$" | tail -n 30
@@ -45,6 +55,20 @@ install_site() {  # the carried dependencies (.gpu/whl, .gpu/site) into /tmp/sit
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/whl/*.whl \
     && cp -r .gpu/site/. /tmp/site/
 }
+assemble_ort() {  # onnxruntime-gpu from the five stashed pieces into /tmp/ortsite (once per machine)
+  [ -f .gpu5/ort.part5 ] && cp .gpu5/ort.part5 /tmp/stash/
+  [ -d /tmp/ortsite/onnxruntime ] && return 0
+  mkdir -p /tmp/ortsite
+  cat /tmp/stash/ort.part1 /tmp/stash/ort.part2 /tmp/stash/ort.part3 /tmp/stash/ort.part4 /tmp/stash/ort.part5 \
+    | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+    | tar -xf - -C /tmp/ortsite
+}
+wait_for() {  # JOB ...: the background jobs prep started, until each ends or SECONDS passes $DEADLINE
+  for job in "$@"; do
+    while kill -0 "$(cat $W/$job.pid 2>/dev/null)" 2>/dev/null && [ "$SECONDS" -lt "$DEADLINE" ]; do sleep 2; done
+  done
+}
+step() { echo "## $* (at ${SECONDS} s of ${RUN_BUDGET:-?})"; }
 
 case "${1:-}" in
 pack)
@@ -82,9 +106,14 @@ torch.version.cuda, torch.cuda.get_device_name(0), 'onnxruntime', onnxruntime.__
   cd $W/repo
   bg() { setsid nohup bash -c "cd $W/repo && PYTHONPATH=$W/repo:/tmp/site $2" > $W/$1.log 2>&1 < /dev/null &
          echo $! > $W/$1.pid; }
+  # the build where the benchmark's --out $W/bench looks for it: the run only loads it
   bg msda_build "python3 -c \"from pathlib import Path; from benchmarks.gpu import build_upstream; \
-build_upstream(Path('$W/msda_upstream'), Path('$W/msda_build'))\""
-  bg export_r50 "python3 tools/export.py --config textdet export.device=cuda export.output_dir=$W/textdet"
+build_upstream(Path('$W/msda_upstream'), Path('$W/bench/msda_build'))\""
+  bg export_r50 "python3 tools/export.py --config textdet export.device=cuda export.sampler=fused \
+export.output_dir=$W/textdet"
+  bg fused "python3 tools/benchmark.py gpu --out $W/bench --export-only"
+  bg micro "python3 tools/export.py --config textdet_micro export.device=cuda export.output_dir=$W/micro/fp32 \
+&& python3 tools/export.py --config textdet_micro export.device=cuda export.fp16=true export.output_dir=$W/micro/fp16"
   bg synth "python3 -m d2export.cli synth text --out $W/held_text --seed 1 --count 200 --size 320x320 --workers 6 \
 && python3 -m d2export.cli synth boxes --out $W/held_boxes --seed 1 --count 300 --size 320x320 --workers 6"
   sleep 20; tail -n 3 $W/*.log
@@ -93,25 +122,45 @@ stash)
   cp ".gpu$2/ort.part$2" /tmp/stash/ && ls -la /tmp/stash && tail -n 2 $W/*.log
   ;;
 run)
-  cp .gpu5/ort.part5 /tmp/stash/
-  mkdir -p /tmp/ortsite
-  cat /tmp/stash/ort.part1 /tmp/stash/ort.part2 /tmp/stash/ort.part3 /tmp/stash/ort.part4 /tmp/stash/ort.part5 \
-    | python3 -c "import lzma, sys, shutil; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
-    | tar -xf - -C /tmp/ortsite || exit 1
+  RUN_BUDGET=${RUN_BUDGET:-450}  # seconds: the call stays under 8 minutes
+  exec > >(tee -a "$OUT/run.log") 2>&1
+  step "onnxruntime-gpu"
+  assemble_ort || exit 1
   refresh_repo
   in_repo python3 -c "import torch, onnxruntime as o; print(o.__version__, o.get_available_providers())"
-  for job in msda_build export_r50 synth; do  # the background jobs prep started: wait (2 minutes at most)
-    for _ in $(seq 60); do kill -0 "$(cat $W/$job.pid)" 2>/dev/null || break; sleep 2; done
-  done
+  step "prep's background jobs"
+  DEADLINE=$((SECONDS + 60)) wait_for msda_build export_r50 fused micro synth
   tail -n 4 $W/*.log; cp $W/*.log "$OUT/" 2>/dev/null
-  R50=$(find $W/textdet -name '*.onnx' | grep -v fp16 | head -1); echo "R-50 graph: $R50"
+  R50=$(find $W/textdet -name '*.onnx' | grep -v fp16 | head -1)
+  echo "R-50 dynamic fused graph: $R50"
   in_repo python3 -c "from d2export.runtime.custom_ops import cuda_library; print('fused CUDA library:', cuda_library())"
-  in_repo python3 tools/benchmark.py gpu --model "$R50" --upstream-msda $W/msda_upstream --out $W/bench \
-    --json "$OUT/gpu.json" --rounds 20 2>&1 | grep -v cudnn_fe | tee "$OUT/bench.log"
+  step "benchmark"  # what is left, less 70 s for the kernel's step
+  in_repo timeout -k 10 $((RUN_BUDGET - SECONDS - 70)) python3 tools/benchmark.py gpu --model "$R50" \
+    --upstream-msda $W/msda_upstream --out $W/bench --json "$OUT/gpu.json" --rounds 20 --no-plugin --no-placement \
+    --batches 8 1 --settings-batches 8 2>&1 | grep -v cudnn_fe | tee "$OUT/bench.log"
+  step "fused kernel against upstream's"
+  if [ -f benchmarks/msda_kernel_gpu.py ]; then
+    # upstream's kernel only where the script loads prep's build (compiling it again takes longer than this step)
+    KERNEL_ARGS=(); in_repo python3 benchmarks/msda_kernel_gpu.py --help 2>/dev/null | grep -q -- --build-dir \
+      && KERNEL_ARGS=(--upstream-msda $W/msda_upstream --build-dir $W/bench/msda_build) \
+      || echo "msda_kernel_gpu.py takes no --build-dir: timed without upstream's kernel"
+    in_repo timeout -k 5 60 python3 benchmarks/msda_kernel_gpu.py "${KERNEL_ARGS[@]}" --json "$OUT/msda_kernel.json" \
+      2>&1 | tee "$OUT/msda_kernel.log" || echo "msda_kernel_gpu.py failed or ran out of time (above)"
+  else
+    echo "benchmarks/msda_kernel_gpu.py: not in this tree"
+  fi
+  step "done"
+  ;;
+checks)  # (carry .gpu5 and the library, after run on the same machine)
+  exec > >(tee -a "$OUT/checks.log") 2>&1
+  assemble_ort || exit 1
+  refresh_repo
+  DEADLINE=$((SECONDS + 60)) wait_for micro synth
+  MICRO=$(find $W/micro -maxdepth 2 -name '*.onnx' -not -name '.*' | sort)  # fp16/…, fp32/…
+  in_repo python3 -m d2export.cli evaluate --config textdet_micro --dataset $W/held_text $MICRO --providers cuda \
+    --json "$OUT/eval_text.json" 2>&1 | tail -n 25 | tee "$OUT/eval_text.log"
   in_repo python3 tools/export.py --config textdet_micro export.device=cuda "verify.providers=[cuda]" \
-    export.output_dir=$W/micro 2>&1 | tail -n 15 | tee "$OUT/export_micro.log"
-  in_repo python3 -m d2export.cli evaluate --config textdet_micro --dataset $W/held_text --precision fp32,fp16 \
-    --providers cuda --json "$OUT/eval_text.json" 2>&1 | tail -n 25 | tee "$OUT/eval_text.log"
+    export.output_dir=$W/micro_cuda 2>&1 | tail -n 15 | tee "$OUT/export_micro.log"
   in_repo python3 -m d2export.cli evaluate --config boxdet --dataset $W/held_boxes --precision fp32,fp16 \
     --providers cuda --json "$OUT/eval_boxes.json" 2>&1 | tail -n 25 | tee "$OUT/eval_boxes.log"
   in_repo python3 -m pytest -q -x tests/test_device.py 2>&1 | tail -n 5
@@ -123,14 +172,15 @@ train)  # (carry .gpu) MINUTES [KEY VALUE ...]: issue 42's unblock — the micro
   ;;
 recipe)  # (carry .gpu) PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]
   install_site && refresh_repo || exit 1
-  in_repo python3 tools/pretrain_glyphs.py --device cuda --threads 4 --workers 12 --batch 32 \
+  in_repo python3 training/pretrain_glyphs.py --device cuda --threads 4 --workers 12 --batch 32 \
     --init tests/data/spotter_fixture.pth --out $W/glyphs --minutes "${2:-4}" --eval-every 500 2>&1 | tail -n 20
   cp $W/glyphs/metrics.jsonl "$OUT/glyphs_metrics.jsonl"; cp $W/glyphs/model.json "$OUT/glyphs_model.json"
-  in_repo python3 tools/probe_features.py --weights $W/glyphs/model.pth --where memory --threads 8 2>&1 | tail -n 3 \
+  in_repo python3 training/probe_features.py --weights $W/glyphs/model.pth --where memory --threads 8 2>&1 | tail -n 3 \
     | tee "$OUT/glyphs_probe.log"
   train_on_gpu $W/glyphs/model.pth "${3:-5}" --batch 16 --glyph-weight 5 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4 \
     MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True "${@:4}"
   ;;
-*) echo "usage: $0 pack DIR | prep | stash N | run | train MINUTES [KEY VALUE ...] | recipe MIN MIN [KEY VALUE ...]" >&2
+*) echo "usage: $0 pack DIR | prep | stash N | run | checks | train MINUTES [KEY VALUE ...]" \
+     "| recipe MIN MIN [KEY VALUE ...]" >&2
    exit 2 ;;
 esac

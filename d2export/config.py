@@ -12,6 +12,7 @@ from d2export import DEFAULT_COMPILED_OPS
 from d2export.ops import SAMPLERS
 
 EXPORTERS = ("torchscript", "dynamo")
+FUSED_PRECISIONS = ("float32", "float16")  # export.fp16_fused
 TARGETS = ("onnxruntime", "tensorrt")
 # where a model is built and run: export.device, and train_spotter --device
 DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -82,6 +83,10 @@ class ExportConfig:
                      "verify.fp16_atol and top-K agreement")
     keep_io_types: bool = opt(True, "with fp16: the graph's float inputs and outputs stay float32 (false: "
                                 "float16, except outputs of nodes kept in float32)")
+    fp16_fused: str = opt("float32", "with fp16 and sampler=fused: the fused MSDA node's value and output precision, "
+                          "float32 (kept, as the sampling cores) | float16 (read as float16, summed in float32; its "
+                          "locations and weights stay float32; the native kernels only, not numba); verified as the "
+                          "rest of the float16 graph")
     int8: str = opt("", "write an int8 graph with onnxruntime's quantization: dynamic (MatMul/Gemm weights, "
                     "activations per run) | static (activations calibrated on export.calibration; the family's "
                     "operator types); what int8 breaks stays float (docs/precision.md); verified with verify.int8_*")
@@ -127,7 +132,8 @@ class VerifyConfig:
     min_top_k_agreement: float = opt(0.8, "float16: least fraction of the eager top-K found in the graph's top-K")
     providers: List[str] = opt(factory=lambda: ["CPUExecutionProvider"], help="onnxruntime providers for "
                                "verification (cpu, cuda, tensorrt or onnxruntime's names): verify on the one you "
-                               "serve with; cuda runs with TF32 off, as `infer`/`serve` do")
+                               "serve with; cuda runs with the options `infer`/`serve` give the graph's "
+                               "precision (TF32 off for float32)")
     pin_selections: bool = opt(True, "a failed case passes if the graph picked differently (TopK, NMS) only as far "
                                "as its own candidate values' difference from eager's (within the outputs' "
                                "tolerances) explains, and every output agrees with that pick imposed on eager")
@@ -214,6 +220,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
         raise ConfigError(f"export.int8={e.int8!r}: choose dynamic or static (or leave it empty for float)")
     if e.int8 and e.fp16:
         raise ConfigError("export.int8 and export.fp16 both set: a graph has one precision")
+    _one_of("export.fp16_fused", e.fp16_fused, FUSED_PRECISIONS)
     if e.int8 == "static" and e.sampler == "fused":
         raise ConfigError("export.int8=static with export.sampler=fused: onnxruntime's calibrator cannot load the fused "
                           "operator; use export.sampler=gather, or export.int8=dynamic")

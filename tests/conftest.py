@@ -12,7 +12,10 @@ import pytest  # noqa: E402
 
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# at most 2 threads, and the cores shared out among pytest-xdist's workers (`make test` runs one per core): torch's
+# threads beyond the cores a worker has would only wait on one another
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads(), (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session")

@@ -183,3 +183,79 @@ def test_if_branches_read_outer_tensors_in_float32():
     assert next(t for t in half.graph.initializer if t.name == mul.input[1]).data_type == TensorProto.FLOAT16
     branch = next(a.g for a in next(n for n in half.graph.node if n.op_type == "If").attribute if a.name == "then_branch")
     assert branch.node[0].input[0] == "v__as_fp32"
+
+
+# --- the fused MSDA node -------------------------------------------------------------------------------------------
+def _fused_graph():
+    """An MSDA module's float32 graph with the fused operator, named as the TorchScript exporter names scopes:
+    value_proj → masked fill (Where) → Reshape → fused → output_proj, locations and weights as graph inputs."""
+    from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
+
+    rng = np.random.default_rng(3)
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    init = lambda name, a: onnx.numpy_helper.from_array(np.asarray(a), name)  # noqa: E731
+    weights = [init(n, rng.standard_normal((8, 8)).astype(np.float32) / 3) for n in ("wv", "wo", "wp")]
+    mask = np.array([False, True, False, False, False, False]).reshape(1, 6, 1)
+    constants = [init("zero", np.float32(0)), init("mask", mask),
+                 init("shape", np.array([1, 6, 2, 4], np.int64)), init("levels", np.array([[2, 2], [1, 2]], np.int64)),
+                 init("starts", np.array([0, 4], np.int64))]
+    nodes = [helper.make_node("MatMul", ["x", "wv"], ["v"], name="/m/attn/value_proj/MatMul"),
+             helper.make_node("Where", ["mask", "zero", "v"], ["vw"], name="/m/attn/Where"),
+             helper.make_node("Reshape", ["vw", "shape"], ["value"], name="/m/attn/Reshape"),
+             helper.make_node("MatMul", ["x", "wo"], ["offsets"], name="/m/attn/sampling_offsets/MatMul"),
+             helper.make_node(FUSED_MSDA, ["value", "levels", "starts", "loc", "attn"], ["sampled"], domain=DOMAIN,
+                              name="/m/attn/MultiScaleDeformableAttention"),
+             helper.make_node("MatMul", ["sampled", "wp"], ["y"], name="/m/attn/output_proj/MatMul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", f, [1, 6, 8]),
+                                           helper.make_tensor_value_info("loc", f, [1, 3, 2, 2, 1, 2]),
+                                           helper.make_tensor_value_info("attn", f, [1, 3, 2, 2, 1])],
+                              [helper.make_tensor_value_info(name, f, None) for name in ("y", "offsets")],
+                              initializer=weights + constants,
+                              value_info=[helper.make_tensor_value_info("sampled", f, [1, 3, 8])])  # as exported
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
+    feed = {"x": rng.standard_normal((1, 6, 8)).astype(np.float32),
+            "loc": rng.uniform(-0.2, 1.2, (1, 3, 2, 2, 1, 2)).astype(np.float32),
+            "attn": rng.uniform(0, 1, (1, 3, 2, 2, 1)).astype(np.float32)}
+    return helper.make_model(graph, opset_imports=opsets), feed
+
+
+def _fused_run(model, feed):
+    from d2export.runtime import custom_ops
+
+    opts = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(["y"], feed)[0]
+
+
+def test_fused_node_float32_by_default_and_float16_on_request():
+    """Kept float32 by default (with its value chain); fused="float16": the node and the data movement around it
+    float16 without a Cast between value_proj and output_proj, its locations and weights still float32."""
+    model, feed = _fused_graph()
+    producers = lambda m: {o: n for n in m.graph.node for o in n.output}  # noqa: E731
+
+    kept = to_float16(model)
+    fused = next(n for n in kept.graph.node if n.domain == "d2export")
+    assert producers(kept)[fused.input[0]].op_type == "Reshape"  # the core's Reshape, float32
+    assert producers(kept)[producers(kept)[fused.input[0]].input[0]].op_type == "Where"
+    assert kept.graph.node[[n.name for n in kept.graph.node].index("/m/attn/output_proj/MatMul")].input[0] \
+        .endswith("__as_fp16")
+
+    half = to_float16(model, fused="float16")
+    onnx.checker.check_model(half)
+    nodes = {n.name: n for n in half.graph.node}
+    fused = nodes["/m/attn/MultiScaleDeformableAttention"]
+    assert list(fused.input) == ["value", "levels", "starts", "loc", "attn"]  # no Cast: value float16, loc float32
+    assert nodes["/m/attn/Where"].input[2] == "v" and nodes["/m/attn/output_proj/MatMul"].input[0] == "sampled"
+    assert next(t for t in half.graph.initializer if t.name == "zero").data_type == TensorProto.FLOAT16
+    assert [v.type.tensor_type.elem_type for v in half.graph.value_info if v.name == "sampled"] == [TensorProto.FLOAT16]
+    # a float16 graph's locations made in float16 are cast back to float32 for the node
+    half_loc = to_float16(model, fused="float16", keep_io_types=False)
+    assert list(next(n for n in half_loc.graph.node if n.domain == "d2export").input[3:]) == \
+        ["loc__as_fp32", "attn__as_fp32"]
+
+    want = _fused_run(model, feed).astype(np.float64)
+    for graph in (kept, half):
+        y = _fused_run(graph, feed)
+        assert y.dtype == np.float32 and np.abs(y - want).max() < 0.05 * np.abs(want).max()
+    with pytest.raises(ValueError, match="fused='half'"):
+        to_float16(model, fused="half")

@@ -343,3 +343,27 @@ def test_config_refuses_fused_where_it_cannot_run():
     for bad in (["export.exporter=dynamo"], ["export.target=tensorrt"]):
         with pytest.raises(ValueError, match="export.sampler=fused"):
             load("textdet_tiny", ["export.output_dir=/tmp/unused", "export.sampler=fused", *bad])
+
+
+def test_float16_spotter_with_a_float16_fused_node_verifies(tmp_path):
+    """export.fp16_fused=float16: the tiny spotter's float16 graph with its fused nodes float16 (value and output;
+    locations and weights float32, made by the kept core) passes float16 verification at its usual tolerances, on
+    the CPU kernel's float16 variant, and no Cast sits between value_proj, the node and output_proj."""
+    # two sizes, no batch case, no lint: the test's time (all six default cases verified too, when written)
+    manifest = export("textdet_tiny", tmp_path, "export.sampler=fused", "export.fp16=true",
+                      "export.fp16_fused=float16", "verify.sizes=[[160,224],[128,288]]", "verify.batch=false",
+                      "export.lint=false")
+    assert manifest.precision == "float16" and manifest.verification["fp16"]["passed"] is True
+    graph = onnx.load(str(tmp_path / manifest.model_file)).graph
+    producers = {o: n for n in graph.node for o in n.output}
+    consumers = collections.defaultdict(list)
+    for n in graph.node:
+        for name in n.input:
+            consumers[name].append(n)
+    fused = [n for n in graph.node if n.domain == custom_ops.DOMAIN]
+    types = {v.name: v.type.tensor_type.elem_type for v in graph.value_info}
+    assert len(fused) == 3 and all(types[n.output[0]] == onnx.TensorProto.FLOAT16 for n in fused)
+    for node in fused:
+        assert producers[node.input[0]].op_type != "Cast"
+        assert all(c.op_type != "Cast" for c in consumers[node.output[0]])
+        assert all(producers[name].op_type != "Cast" for name in node.input[3:])  # float32, made by the core

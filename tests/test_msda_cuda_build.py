@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from d2export.runtime import custom_ops
-from test_native_msda import CASES, _feed, _inputs, _session, assert_close
+from test_native_msda import CASES, _feed, _half_args, _inputs, _session, assert_close, half_model
 
 ROOT = Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "d2export" / "runtime" / "native"
@@ -26,7 +26,9 @@ FATBIN_MAGIC = 0xBA55ED50
 PTX, CUBIN = 1, 2  # a fatbin entry's kind
 SERVING_SM = (75, 80, 86, 89, 90)  # setup.py's CUDA_SM: T4, A100/A30, A10/A40/RTX 30, L4/L40S/RTX 40, H100/H200
 PTX_SM = 90  # the newest, which GPUs after it (Blackwell) compile at load
-KERNEL = "msda_forward"  # msda_op_cuda.cu's __global__ template (float and half)
+KERNEL = "msda_forward"  # msda_op_cuda.cu's __global__ template
+# its instantiations, as mangled: <value/output, locations/weights, channels per thread (8: 16-byte loads; 1: scalar)>
+INSTANTIATIONS = {"IffLi8E", "IffLi1E", "I6__halffLi8E", "I6__halffLi1E", "I6__halfS1_Li8E", "I6__halfS1_Li1E"}
 # what the library may ask the dynamic loader for: glibc's own libraries, libstdc++ and libgcc (no libcudart, no
 # libcuda: the driver is opened by the static cudart at run time, and only when a CUDA session runs the kernel)
 ALLOWED_NEEDED = {"libc.so.6", "libm.so.6", "libdl.so.2", "librt.so.1", "libpthread.so.0", "libstdc++.so.6",
@@ -117,14 +119,16 @@ def test_library_carries_machine_code_for_every_serving_gpu_and_ptx(cuda_library
 
 def test_every_architecture_holds_the_kernel_itself(cuda_library):
     """A cubin listed is not a kernel present (the link step leaves an sm_75 stub with no function in it): each
-    architecture's machine code holds the kernel's float and half instantiations, and the PTX defines them too."""
+    architecture's machine code holds the kernel's six instantiations (three type variants, wide and scalar), and
+    the PTX defines them too."""
     tool = cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump here (the CUDA toolkit's or triton's)")
     functions = sass_functions(cuda_library, tool)
     kernels = {sm: {f for f in names if KERNEL in f} for sm, names in functions.items()}
     want = kernels.get(PTX_SM, set())
-    assert len(want) == 2 and any("6__half" in f for f in want), functions
+    found = {i for i in INSTANTIATIONS for f in want if f"{KERNEL}{i}" in f}
+    assert len(want) == len(INSTANTIATIONS) and found == INSTANTIATIONS, functions
     assert {sm: kernels.get(sm) for sm in SERVING_SM} == {sm: want for sm in SERVING_SM}, sorted(functions)
     ptx = subprocess.run([tool, "--dump-ptx", cuda_library], capture_output=True, text=True, check=True).stdout
     assert f".target sm_{PTX_SM}" in ptx and all(f".entry {f}" in ptx for f in want), ptx[:2000]
@@ -160,23 +164,49 @@ def test_library_exports_only_registration_and_needs_no_cuda_library(cuda_librar
 # --- the shared header on the CPU ------------------------------------------------------------------------------
 _HARNESS = r"""
 #include "msda_sample.h"
-// The CUDA kernel's loop, one output element at a time, on the host: the same msda::element it calls on the GPU.
-extern "C" void msda_elements(const float* value, const int64_t* shapes, const int64_t* starts, const float* loc,
-                              const float* attn, float* out, int64_t batch, int64_t tokens, int64_t heads,
-                              int64_t dim, int64_t queries, int levels, int64_t points) {
+// The CUDA kernel's loop on the host: each "thread" (image, query, head, group of V channels) calls the same
+// msda::accumulate the kernel calls, float16 carried as its bits and converted by the header's own functions.
+template <int V, typename T, typename U>
+void run(const T* value, const int64_t* shapes, const int64_t* starts, const U* loc, const U* attn, float* out,
+         int64_t batch, int64_t tokens, int64_t heads, int64_t dim, int64_t queries, int levels, int64_t points) {
   msda::Levels table{};
   for (int lv = 0; lv < levels; ++lv) {
     table.height[lv] = shapes[2 * lv];
     table.width[lv] = shapes[2 * lv + 1];
     table.start[lv] = starts[lv];
   }
-  const int64_t width_md = heads * dim, total = batch * queries * heads * dim;
+  auto widen = [](auto x) {
+    if constexpr (sizeof(x) == 2) return msda::half_to_float(x); else return static_cast<float>(x);
+  };
+  auto load = [&](const T* p, float (&v)[V]) { for (int k = 0; k < V; ++k) v[k] = widen(p[k]); };
+  const int64_t width_md = heads * dim, groups = dim / V, total = batch * queries * heads * groups;
   for (int64_t idx = 0; idx < total; ++idx) {
-    const int64_t d = idx % dim, row_head = idx / dim, h = row_head % heads, row = row_head / heads;
-    const float* head = value + (row / queries) * tokens * width_md + h * dim + d;
-    out[idx] = msda::element(head, loc, attn, table, levels, points, row_head, width_md,
-                             [](const float* p) { return *p; });
+    const int64_t channel = (idx % groups) * V, row_head = idx / groups, h = row_head % heads, row = row_head / heads;
+    const T* head = value + (row / queries) * tokens * width_md + h * dim + channel;
+    float acc[V] = {};
+    msda::accumulate<V>(head, loc, attn, table, levels, points, row_head, width_md, load, widen, acc);
+    for (int k = 0; k < V; ++k) out[row_head * dim + channel + k] = acc[k];
   }
+}
+
+#define ENTRY(name, V, T, U)                                                                                       \
+  extern "C" void name(const void* value, const int64_t* shapes, const int64_t* starts, const void* loc,           \
+                       const void* attn, float* out, int64_t batch, int64_t tokens, int64_t heads, int64_t dim,     \
+                       int64_t queries, int levels, int64_t points) {                                              \
+    run<V>(static_cast<const T*>(value), shapes, starts, static_cast<const U*>(loc), static_cast<const U*>(attn),  \
+           out, batch, tokens, heads, dim, queries, levels, points);                                               \
+  }
+ENTRY(msda_f32_v1, 1, float, float)
+ENTRY(msda_f32_v8, 8, float, float)
+ENTRY(msda_f16_v1, 1, uint16_t, float)
+ENTRY(msda_f16_v8, 8, uint16_t, float)
+ENTRY(msda_f16f16_v8, 8, uint16_t, uint16_t)
+
+extern "C" void to_float(const uint16_t* h, float* f, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) f[i] = msda::half_to_float(h[i]);
+}
+extern "C" void to_half(const float* f, uint16_t* h, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = msda::float_to_half(f[i]);
 }
 """
 
@@ -193,19 +223,25 @@ def harness(tmp_path_factory):
     subprocess.run([compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", f"-I{NATIVE}",
                     str(folder / "harness.cc"), "-o", str(library)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(library))
-    lib.msda_elements.restype = None
+    for name in ("msda_f32_v1", "msda_f32_v8", "msda_f16_v1", "msda_f16_v8", "msda_f16f16_v8", "to_float", "to_half"):
+        getattr(lib, name).restype = None
     return lib
 
 
-def _elements(lib, value, shapes, starts, loc, attn) -> np.ndarray:
-    value, loc, attn = (np.ascontiguousarray(a, np.float32) for a in (value, loc, attn))
+def _elements(lib, value, shapes, starts, loc, attn, vector: int = 1) -> np.ndarray:
+    """The harness's output (float sums, before any float16 rounding): float32 value or, given float16 arrays,
+    float16 value (and float16 locations and weights where those are float16 too), `vector` channels a thread."""
+    kind = "f32" if value.dtype == np.float32 else ("f16f16" if loc.dtype == np.float16 else "f16")
+    value, loc, attn = (np.ascontiguousarray(a) for a in (value, loc, attn))
     shapes, starts = (np.ascontiguousarray(a, np.int64) for a in (shapes, starts))
     n, s, m, d = value.shape
     _, lq, _, levels, points, _ = loc.shape
+    assert d % vector == 0
     out = np.empty((n, lq, m * d), np.float32)
     ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
-    lib.msda_elements(ptr(value), ptr(shapes), ptr(starts), ptr(loc), ptr(attn), ptr(out), *map(ctypes.c_int64, (
-        n, s, m, d, lq)), ctypes.c_int(levels), ctypes.c_int64(points))
+    getattr(lib, f"msda_{kind}_v{vector}")(ptr(value), ptr(shapes), ptr(starts), ptr(loc), ptr(attn), ptr(out),
+                                           *map(ctypes.c_int64, (n, s, m, d, lq)), ctypes.c_int(levels),
+                                           ctypes.c_int64(points))
     return out
 
 
@@ -213,24 +249,70 @@ HEADER_CASES = {  # level shapes (H, W), batch, queries, heads, dim, points: odd
     "3 non-square levels, batch 2": ([(6, 5), (3, 7), (2, 4)], 2, 9, 3, 8, 4),
     "5 levels, batch 3, odd D, P=3": ([(7, 3), (5, 9), (4, 2), (2, 3), (1, 5)], 3, 4, 2, 5, 3),
     "1 level, 1-pixel wide": ([(5, 1)], 2, 6, 1, 4, 2),
+    "4 levels, D=32 as TESTR, batch 2": ([(8, 8), (4, 5), (2, 3), (1, 1)], 2, 7, 2, 32, 4),
 }
 
 
 @pytest.mark.parametrize("seed, case", enumerate(HEADER_CASES.values()), ids=HEADER_CASES.keys())
 def test_header_element_matches_float64_reference(harness, seed, case):
-    """Locations in [-0.3, 1.3] plus points planted outside every level and not finite (they contribute nothing)."""
+    """Locations in [-0.3, 1.3] plus points planted outside every level and not finite (they contribute nothing);
+    one channel a thread and, where D allows, eight (each point computed once for them), the same sums bit for bit."""
     args, ref = _inputs(*case, seed=10 + seed)
     assert np.abs(ref).max() > 0.1
     assert not np.isfinite(args[3]).all() and ((args[3] < 0) | (args[3] > 1)).any()  # the planted points are in
-    assert_close(_elements(harness, *args), ref)
+    scalar = _elements(harness, *args)
+    assert_close(scalar, ref)
+    if case[4] % 8 == 0:
+        assert np.array_equal(_elements(harness, *args, vector=8), scalar)
 
 
 def test_header_element_is_the_cpu_kernel_bit_for_bit(harness, cuda_library):
-    """The CUDA kernel's per-element loop and the CPU kernel's per-row loop sum the same terms in the same order."""
-    args, _ = _inputs(*CASES["3 non-square levels, batch 2, 3 heads, P=4"], seed=21)
+    """The CUDA kernel's per-thread loop and the CPU kernel's per-row loop sum the same terms in the same order, for
+    float32 and for each float16 variant (float16 outputs: the same float sums, rounded once)."""
+    args, _ = _inputs(*HEADER_CASES["4 levels, D=32 as TESTR, batch 2"], seed=21)
     options = ort.SessionOptions()
     options.register_custom_ops_library(cuda_library)
-    assert np.array_equal(_elements(harness, *args), _session(options).run(None, _feed(args))[0])
+    for vector in (1, 8):
+        assert np.array_equal(_elements(harness, *args, vector=vector), _session(options).run(None, _feed(args))[0])
+    for sampling in (np.float32, np.float16):
+        half = _half_args(args, sampling)
+        cpu = _session(options, model=half_model(sampling)).run(None, _feed(half))[0]
+        assert cpu.dtype == np.float16
+        for vector in (1, 8) if sampling == np.float32 else (8,):
+            assert np.array_equal(_elements(harness, *half, vector=vector).astype(np.float16), cpu)
+
+
+def test_header_float16_conversions_are_ieee(harness):
+    """Every float16 widened exactly (as numpy does), and float32 narrowed to nearest, ties to even, as numpy does:
+    every float16's neighbourhood (itself, the midpoints to its neighbours and one float32 step either side of them),
+    both signs, the overflow threshold, subnormals, random bit patterns, infinities and NaN."""
+    ptr = lambda a: a.ctypes.data_as(ctypes.c_void_p)  # noqa: E731
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    widened = np.empty(halves.size, np.float32)
+    harness.to_float(ptr(halves), ptr(widened), ctypes.c_int64(halves.size))
+    want = halves.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(widened), nan) and np.array_equal(widened[~nan].view(np.uint32),
+                                                                     want[~nan].view(np.uint32))
+
+    finite = want[np.isfinite(want)].astype(np.float64)
+    finite = np.unique(finite)
+    mids = (finite[:-1] + finite[1:]) / 2  # exact in float64, and in float32 (one more bit than float16)
+    mids32 = mids.astype(np.float32)
+    near = [mids32, np.nextafter(mids32, np.float32(np.inf)), np.nextafter(mids32, np.float32(-np.inf))]
+    rng = np.random.default_rng(0)
+    extra = [np.array([65504, 65519.996, 65520, 65536, 1e9, 2.0 ** -25, 2.0 ** -26, 3 * 2.0 ** -26, 1e-30, 0.0,
+                       np.inf, -np.inf, np.nan], np.float32),
+             rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)]
+    floats = np.ascontiguousarray(np.concatenate([finite.astype(np.float32), *near, *extra]))
+    narrowed = np.empty(floats.size, np.uint16)
+    harness.to_half(ptr(floats), ptr(narrowed), ctypes.c_int64(floats.size))
+    with np.errstate(over="ignore"):
+        want = floats.astype(np.float16)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(narrowed.view(np.float16)), nan)
+    bad = narrowed[~nan] != want[~nan].view(np.uint16)
+    assert not bad.any(), (floats[~nan][bad][:5], narrowed[~nan][bad][:5], want[~nan][bad][:5])
 
 
 def test_header_teeth_a_shifted_location_fails(harness):

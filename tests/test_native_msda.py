@@ -37,21 +37,30 @@ def library() -> str:
     return path
 
 
-def _model() -> bytes:
-    """One fused MSDA node; inputs of unknown rank, so that bad shapes reach the kernel's own checks."""
+def _model(value: int = TensorProto.FLOAT, sampling: int = TensorProto.FLOAT) -> bytes:
+    """One fused MSDA node; inputs of unknown rank, so that bad shapes reach the kernel's own checks. `value`: the
+    value's and output's element type; `sampling`: the locations' and weights'."""
+    types = [value, *TYPES[1:3], sampling, sampling]
     node = helper.make_node(custom_ops.FUSED_MSDA, NAMES, ["out"], domain=custom_ops.DOMAIN)
-    graph = helper.make_graph([node], "msda", [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, TYPES)],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    graph = helper.make_graph([node], "msda", [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
+                              [helper.make_tensor_value_info("out", value, None)])
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid(custom_ops.DOMAIN, 1)]
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
 
 MODEL = _model()
+HALF_MODELS = {np.float32: _model(TensorProto.FLOAT16, TensorProto.FLOAT),  # a float16 graph's fused node
+               np.float16: _model(TensorProto.FLOAT16, TensorProto.FLOAT16)}  # everything float16
 
 
-def _session(options: ort.SessionOptions, threads: int = 1) -> ort.InferenceSession:
+def half_model(sampling) -> bytes:
+    """The one-node graph with float16 value and output, `sampling` (np.float32 or np.float16) locations and weights."""
+    return HALF_MODELS[sampling]
+
+
+def _session(options: ort.SessionOptions, threads: int = 1, model: bytes = MODEL) -> ort.InferenceSession:
     options.intra_op_num_threads = threads
-    return ort.InferenceSession(MODEL, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
 
 
 def _native(library: str, threads: int = 1) -> ort.InferenceSession:
@@ -87,18 +96,28 @@ PLANTED = [(-0.7, 0.5), (1.6, 0.5), (0.5, -0.4), (0.5, 1.9), (40.0, -40.0), (np.
 
 
 def _inputs(shapes, n, lq, heads, dim, points, seed):
-    """Random inputs with locations in [-0.3, 1.3] plus PLANTED ones, and the float64 reference: the reference has no
-    notion of a non-finite location, so those points get weight 0 there (they contribute nothing)."""
+    """Random inputs with locations in [-0.3, 1.3] plus PLANTED ones, and the float64 reference."""
     args = [a.numpy().copy() for a in random_msda_inputs(shapes, n=n, lq=lq, heads=heads, dim=dim, points=points,
                                                          lo=-0.3, hi=1.3, seed=seed)]
     count = args[4].size
     spots = np.random.default_rng(seed).choice(count, size=min(len(PLANTED), count // 2), replace=False)
     args[3][np.unravel_index(spots, args[4].shape)] = PLANTED[:len(spots)]
-    finite = np.isfinite(args[3]).all(-1)
-    ref_args = [a.copy() for a in args]
+    return args, _reference(args)
+
+
+def _reference(args) -> np.ndarray:
+    """The float64 reference of `args` (any float type, widened exactly): the reference has no notion of a non-finite
+    location, so those points get weight 0 there (they contribute nothing)."""
+    ref_args = [a.astype(np.float64) if a.dtype.kind == "f" else a.copy() for a in args]
+    finite = np.isfinite(ref_args[3]).all(-1)
     ref_args[3][~finite] = 0.5
     ref_args[4][~finite] = 0.0
-    return args, msda_reference(*map(torch.from_numpy, ref_args)).numpy()
+    return msda_reference(*map(torch.from_numpy, ref_args)).numpy()
+
+
+def _half_args(args, sampling=np.float32):
+    """`args` with value float16 and locations and weights `sampling`: what the float16 variants read."""
+    return [args[0].astype(np.float16), args[1], args[2], args[3].astype(sampling), args[4].astype(sampling)]
 
 
 @pytest.mark.parametrize("seed, case", enumerate(CASES.values()), ids=CASES.keys())
@@ -134,6 +153,88 @@ def test_a_wrong_kernel_fails(library):
     for wrong in (shifted, swapped):
         with pytest.raises(AssertionError, match="outputs off"):
             assert_close(session.run(None, _feed(wrong))[0], ref)
+
+
+# --- float16 ------------------------------------------------------------------------------------------------------
+# The float16 variants widen their inputs exactly and sum in float32 like the float32 kernel, then round once. Against
+# the float64 reference of the very float16 inputs they read, the error is that sum's (assert_close's bound: e =
+# RTOL * (|want| + max|want|)) plus one rounding to float16 of a value within e of want: at most half a float16 ulp,
+# 2^-11 relative for normal numbers, 2^-25 absolute below 2^-14 (subnormals).
+HALF_UNIT_ROUNDOFF, HALF_SUBNORMAL_HALF_ULP = 2.0 ** -11, 2.0 ** -25
+
+
+def assert_close_half(out: np.ndarray, want) -> None:
+    want = np.asarray(want, np.float64)
+    assert out.dtype == np.float16 and out.shape == want.shape, (out.dtype, out.shape, want.shape)
+    scale = float(np.abs(want).max())
+    e = RTOL * (np.abs(want) + scale)
+    err = np.abs(out.astype(np.float64) - want)
+    bad = err > HALF_UNIT_ROUNDOFF * (np.abs(want) + e) + e + HALF_SUBNORMAL_HALF_ULP
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size} outputs off: worst {err.max():.3g} at scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("sampling", [np.float32, np.float16], ids=["value float16", "all float16"])
+@pytest.mark.parametrize("seed, case", enumerate(CASES.values()), ids=CASES.keys())
+def test_native_float16_matches_float64_reference_and_the_float32_kernel(library, seed, case, sampling):
+    """The float16 variants against the float64 reference of their own (float16) inputs, within one float16 rounding
+    of the float32 sum; and bit for bit the float32 kernel's output on the same inputs widened, rounded once."""
+    args, _ = _inputs(*case, seed=60 + seed)
+    half = _half_args(args, sampling)
+    ref = _reference(half)
+    assert np.abs(ref).max() > 0.1
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    out = _session(options, model=half_model(sampling)).run(None, _feed(half))[0]
+    assert_close_half(out, ref)
+    widened = [a.astype(np.float32) if a.dtype == np.float16 else a for a in half]
+    assert np.array_equal(out, _native(library).run(None, _feed(widened))[0].astype(np.float16))
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    assert np.array_equal(out, _session(options, threads=2, model=half_model(sampling)).run(None, _feed(half))[0])
+
+
+def test_a_wrong_float16_kernel_fails(library):
+    """The float16 comparison has teeth: sampling 1/100 pixel off fails it, and so does one output two float16 ulps
+    off (what summing in float16 would cost), while the right output passes."""
+    args, _ = _inputs(*CASES["Lq=1, 4 heads, D=32"], seed=70)
+    half = _half_args(args)
+    ref = _reference(half)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    session = _session(options, model=half_model(np.float32))
+    out = session.run(None, _feed(half))[0]
+    assert_close_half(out, ref)
+    shifted = [a.copy() for a in half]
+    shifted[3][..., 0] += 0.01 / args[1][:, 1].astype(np.float32)[None, None, None, :, None]
+    with pytest.raises(AssertionError, match="outputs off"):
+        assert_close_half(session.run(None, _feed(shifted))[0], ref)
+    nudged = out.copy()
+    k = int(np.argmax(np.abs(out)))
+    nudged.flat[k] = np.nextafter(np.nextafter(out.flat[k], np.float16(np.inf)), np.float16(np.inf))
+    with pytest.raises(AssertionError, match="1 of .* outputs off"):
+        assert_close_half(nudged, ref)
+
+
+def test_float16_value_with_float32_sampling_keeps_the_locations_precision(library):
+    """The (float16, float32) variant reads the locations as float32: a location that float16 rounds by 0.2 pixel on
+    a 1024-wide level (its spacing there: half a pixel) samples where float32 puts it; the all-float16 variant does
+    not."""
+    width = 1024
+    value = np.zeros((1, width, 1, 1), np.float16)
+    value[0, :, 0, 0] = np.arange(width) % 2  # alternating columns: the output is the sampled x's distance to a column
+    x = np.float32((700 + 0.5 + 0.3) / width)  # 0.3 px right of a pixel centre; float16's spacing at 0.68: 1/2048
+    loc = np.array([x, 0.5], np.float32).reshape(1, 1, 1, 1, 1, 2)
+    attn = np.ones((1, 1, 1, 1, 1), np.float32)
+    args = [value, np.array([[1, width]], np.int64), np.array([0], np.int64), loc, attn]
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    out = _session(options, model=half_model(np.float32)).run(None, _feed(args))[0]
+    assert_close_half(out, _reference(args))
+    assert abs(float(out.ravel()[0]) - 0.3) < 1e-3
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    rounded = _session(options, model=half_model(np.float16)).run(None, _feed(_half_args(args, np.float16)))[0]
+    assert abs(float(rounded.ravel()[0]) - 0.3) > 0.1
 
 
 def test_bad_shapes_are_named_in_onnxruntime_errors(library):

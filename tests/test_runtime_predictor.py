@@ -161,15 +161,129 @@ def test_providers_asked_for_but_absent_are_refused_clearly(monkeypatch, tiny_ex
     assert resolve_providers(["cuda"]) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
-def test_cuda_serves_without_tf32_unless_asked():
-    """onnxruntime's CUDA provider would compute in TF32 by default: not what verification compared."""
+def test_cuda_serves_float32_without_tf32_unless_asked_and_float16_on_tensor_cores():
+    """onnxruntime's CUDA provider would compute in TF32 by default: not what verification compared for a float32
+    graph; a float16 graph needs it on for cuDNN's tensor-core engines."""
     cuda, cpu = "CUDAExecutionProvider", "CPUExecutionProvider"
-    assert options_per_provider([cuda, cpu]) == [{"use_tf32": "0"}, {}]
-    assert options_per_provider([cuda, cpu], tf32=True) == [{"use_tf32": "1"}, {}]
+    exact = {"use_tf32": "0", "fuse_conv_bias": "1", "prefer_nhwc": "0"}
+    tensor_cores = {"use_tf32": "1", "fuse_conv_bias": "1", "prefer_nhwc": "1"}
+    assert options_per_provider([cuda, cpu]) == [exact, {}]
+    assert options_per_provider([cuda, cpu], precision="int8") == [exact, {}]
+    assert options_per_provider([cuda, cpu], tf32=True) == [tensor_cores, {}]
+    assert options_per_provider([cuda, cpu], precision="float16") == [tensor_cores, {}]
     given = [{"device_id": "1", "use_tf32": "1"}]  # the user's own options win, the rest keep the defaults
-    assert options_per_provider([cuda, cpu], given=given) == [{"use_tf32": "1", "device_id": "1"}, {}]
-    assert options_per_provider(["TensorrtExecutionProvider", cuda, cpu]) == [{}, {"use_tf32": "0"}, {}]
+    assert options_per_provider([cuda, cpu], given=given) == [exact | {"use_tf32": "1", "device_id": "1"}, {}]
+    assert options_per_provider(["TensorrtExecutionProvider", cuda, cpu]) == [{}, exact, {}]
     assert options_per_provider([cpu]) == [{}]
+
+
+def matmul_add_graph(path):
+    """x [2, 3, 8] @ W + B: what onnxruntime fuses into Reshape-Gemm-Reshape when the shapes are known."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.random((8, 4), np.float32), "W"),
+               numpy_helper.from_array(rng.random(4, np.float32), "B")]
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("Add", ["m", "B"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 4])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+@pytest.mark.parametrize("providers, fused", [(["CPUExecutionProvider"], True),
+                                              (["CUDAExecutionProvider", "CPUExecutionProvider"], False)])
+def test_cuda_sessions_keep_matmul_and_add_apart(tmp_path, providers, fused):
+    """The optimizer's name and config key as this onnxruntime knows them: the optimised graph (here on the CPU, which
+    runs the same transformer) keeps MatMul + Add only where the options a CUDA session gets disable the fusion."""
+    import onnx
+    import onnxruntime as ort
+
+    from d2export.runtime.predictor import disable_cuda_optimizers, disabled_optimizers
+
+    matmul_add_graph(tmp_path / "mm.onnx")
+    options = disable_cuda_optimizers(ort.SessionOptions(), providers)
+    options.optimized_model_filepath = str(tmp_path / "optimised.onnx")
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(tmp_path / "mm.onnx"), options, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "optimised.onnx")).graph.node]
+    assert ("Gemm" in ops) is fused and (ops == ["MatMul", "Add"]) is not fused
+    assert disabled_optimizers(session) == ([] if fused else ["MatMulAddFusion"])
+
+
+class FakeCudaSession:
+    """A CPU session that says it runs on the CUDA provider with the options it was given (onnxruntime's CPU build
+    cannot make one)."""
+
+    def __init__(self, session, cuda_options):
+        self._session, self._cuda_options = session, cuda_options
+
+    def get_providers(self):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def get_provider_options(self):
+        return {"CUDAExecutionProvider": dict(self._cuda_options), "CPUExecutionProvider": {}}
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The predictor's sessions as a CUDA machine would build them: each call's CUDA options recorded; `refuse`
+    makes onnxruntime refuse CUDA graphs, as it does for a graph with nodes left to the CPU."""
+    import onnxruntime as ort
+
+    from d2export.runtime import predictor as module
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    calls, state = [], {"refuse": False}
+
+    def create_session(path, options, providers, provider_options):
+        cpu_session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        if "CUDAExecutionProvider" not in providers:
+            return cpu_session
+        cuda = provider_options[providers.index("CUDAExecutionProvider")]
+        calls.append(cuda)
+        if state["refuse"] and cuda.get("enable_cuda_graph") == "1":
+            raise RuntimeError("This session cannot use the graph capture feature as requested by the user as all "
+                               "compute graph nodes have not been partitioned to the CUDA EP.")
+        return FakeCudaSession(cpu_session, cuda)
+
+    monkeypatch.setattr(module, "create_session", create_session)
+    return calls, state
+
+
+def test_cuda_graphs_cost_one_session_where_onnxruntime_takes_them(tiny_export, fake_cuda):
+    calls, _ = fake_cuda
+    served = Predictor(tiny_export[2], providers=["cuda"], threads=1, cuda_graph=True)
+    assert len(calls) == 1 and calls[0]["enable_cuda_graph"] == "1"
+    assert served.bound is not None and served.bound.device == "cuda"
+    meta = served.metadata()
+    assert meta["cuda_graph"] is True and meta["disabled_optimizers"] == ["MatMulAddFusion"]
+    assert meta["provider_options"]["CUDAExecutionProvider"]["use_tf32"] == "0"  # a float32 graph: exact
+
+
+def test_cuda_graphs_refused_fall_back_to_the_plain_session(tiny_export, fake_cuda, caplog):
+    calls, state = fake_cuda
+    state["refuse"] = True
+    with caplog.at_level("WARNING", logger="d2export"):
+        served = Predictor(tiny_export[2], providers=["cuda"], threads=1, cuda_graph=True)
+    assert [c.get("enable_cuda_graph") for c in calls] == ["1", None]
+    assert calls[1] == options_per_provider(["CUDAExecutionProvider"])[0]
+    assert served.bound is None and served.metadata()["cuda_graph"] is False
+    assert "onnxruntime refuses them for this graph (This session cannot use the graph capture" in caplog.text
+    assert served.predict(np.full((100, 150, 3), 128, np.uint8)).instances  # the plain session serves
+
+
+def test_without_cuda_graphs_one_plain_session(tiny_export, fake_cuda, caplog):
+    calls, _ = fake_cuda
+    Predictor(tiny_export[2], providers=["cuda"], threads=1)
+    assert len(calls) == 1 and "enable_cuda_graph" not in calls[0]
+    with caplog.at_level("WARNING", logger="d2export"):
+        served = Predictor(tiny_export[2], threads=1, cuda_graph=True)  # the CPU alone: nothing to capture
+    assert served.bound is None and "they need the CUDA provider" in caplog.text
+    assert served.metadata()["disabled_optimizers"] == []
 
 
 def test_the_predictor_reports_the_providers_it_really_runs_on(tiny_export, monkeypatch):

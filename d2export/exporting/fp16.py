@@ -4,6 +4,11 @@ For GPU serving: half the weights' size and memory traffic. By default the MSDA 
 float16 are off by up to 1/8 px at 256 px, see `ops.msda`) and every Softmax stay float32. With keep_io_types the
 graph's inputs and outputs keep their types, so callers feed and read it exactly like the float32 graph.
 
+The fused MSDA operator (export.sampler=fused) is kept float32 too unless `fused="float16"` (export.fp16_fused): then
+its value and output are float16 (read as float16, summed in float32 by the kernel, rounded once) and its sampling
+locations and attention weights stay float32 (made by the kept core, so the pixel coordinates keep float32's
+precision): the operator's (float16, float32) variant, half the bytes of its largest input and of its output.
+
 How: every float tensor becomes float16 except those made by a kept node; a Cast is put wherever a consumer wants the
 other precision. A node with subgraphs (an If, as torchvision's batched NMS exports) is kept whole: its branches stay
 as they are, in float32, and the outer tensors they read get a Cast like any kept node's inputs. Constants used only
@@ -26,6 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from d2export.config import FUSED_PRECISIONS
 from d2export.exporting.graph_scopes import is_msda_core, msda_scopes
 
 FLOAT, HALF = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -35,21 +41,77 @@ _NO_FLOAT16 = {"Range", "TopK", "CumSum", "NonMaxSuppression", "RoiAlign"}  # fl
 _FLOAT16_MAX, _FLOAT16_TINY = 65504.0, 2.0 ** -24
 
 
-def default_keep(graph: onnx.GraphProto) -> Callable[[onnx.NodeProto], bool]:
+_FUSED_FLOAT32_SLOTS = {3, 4}  # the fused operator's sampling_locations and attention_weights
+
+
+def _is_fused(node: onnx.NodeProto) -> bool:
     from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
 
+    return node.domain == DOMAIN and node.op_type == FUSED_MSDA
+
+
+def default_keep(graph: onnx.GraphProto, fused: str = "float32") -> Callable[[onnx.NodeProto], bool]:
+    """Softmax and the MSDA sampling cores, the fused operator included (it sits in its module's scope). With
+    fused="float16", the fused nodes and the pure data movement around their value and output (a float16 graph's
+    value_proj → masked fill → Reshape → fused → Reshape → output_proj) become float16: moving float16 values is
+    exact, and no Cast pair is left around the node's largest input and its output."""
     scopes = msda_scopes(graph)
-    fused = lambda node: node.domain == DOMAIN and node.op_type == FUSED_MSDA  # noqa: E731 - the core as one node
-    return lambda node: node.op_type == "Softmax" or fused(node) or is_msda_core(node, scopes)
+    half = _float16_fused_chains(graph, scopes) if fused == "float16" else set()
+    return lambda node: node.op_type == "Softmax" or (is_msda_core(node, scopes) and _key(node) not in half)
+
+
+_MOVES = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Where"}  # no arithmetic
+
+
+def _key(node: onnx.NodeProto) -> str:
+    return node.output[0] if node.output else node.name
+
+
+def _float16_fused_chains(graph: onnx.GraphProto, scopes: set[str]) -> set[str]:
+    """Keys of the fused nodes and of the core's data-movement nodes that feed a fused node's value alone (walking
+    back) or take its output alone (walking forward)."""
+    producers = {o: n for n in graph.node for o in n.output}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for n in graph.node:
+        for i, name in enumerate(n.input):
+            consumers.setdefault(name, []).append((n, i))
+    constant = {t.name for t in graph.initializer} | {n.output[0] for n in graph.node if n.op_type == "Constant"}
+
+    def data_inputs(node: onnx.NodeProto) -> list[int]:
+        return [1, 2] if node.op_type == "Where" else [0]
+
+    def movable(node: onnx.NodeProto) -> bool:
+        return node.op_type in _MOVES and is_msda_core(node, scopes)
+
+    chains = set()
+    for fused in filter(_is_fused, graph.node):
+        chains.add(_key(fused))
+        tensor = fused.input[0]
+        while len(consumers.get(tensor, ())) == 1 and (p := producers.get(tensor)) is not None and movable(p):
+            chains.add(_key(p))
+            ahead = [p.input[i] for i in data_inputs(p) if i < len(p.input) and p.input[i] not in constant]
+            if len(ahead) != 1:
+                break
+            tensor = ahead[0]
+        tensor = fused.output[0]
+        while len(users := consumers.get(tensor, ())) == 1 and movable(users[0][0]) and \
+                users[0][1] in data_inputs(users[0][0]):
+            chains.add(_key(users[0][0]))
+            tensor = users[0][0].output[0]
+    return chains
 
 
 def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | None = None,
-               keep_io_types: bool = True) -> onnx.ModelProto:
+               keep_io_types: bool = True, fused: str = "float32") -> onnx.ModelProto:
     """A float16 copy of `model`; nodes for which `keep(node)` is true compute in float32. `keep_io_types`: the
-    graph's float inputs and outputs stay float32 (callers feed and read it like the float32 graph); else float16."""
+    graph's float inputs and outputs stay float32 (callers feed and read it like the float32 graph); else float16.
+    `fused`: the fused MSDA operator's value and output precision under the default `keep` (see the module's doc);
+    whatever keeps it, a float16 fused node reads its locations and weights in float32."""
+    if fused not in FUSED_PRECISIONS:
+        raise ValueError(f"fused={fused!r}: choose one of {', '.join(FUSED_PRECISIONS)}")
     model = onnx.shape_inference.infer_shapes(model)
     graph = model.graph
-    keep = keep or default_keep(graph)
+    keep = keep or default_keep(graph, fused)
     nodes = list(graph.node)  # one wrapper per node: ids stay valid while the list lives
     outer = {id(n): list(_outer_reads(n)) for n in nodes if _subgraphs(n)}  # what each If/Loop/Scan's branches read
     types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.value_info, *graph.output]}
@@ -66,7 +128,7 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
     for node in nodes:
         for i, name in enumerate(node.input):
             if name and types.get(name) == FLOAT:
-                fp32 = id(node) in kept or i in _FLOAT32_SLOTS.get(node.op_type, ())
+                fp32 = id(node) in kept or _float32_slot(node, i)
                 wanted.setdefault(name, set()).add(FLOAT if fp32 else HALF)
         for name, _ in outer.get(id(node), ()):
             if types.get(name) == FLOAT:
@@ -111,7 +173,7 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
     for node in nodes:
         for i, name in enumerate(node.input):
             if name in made:
-                fp32 = id(node) in kept or i in _FLOAT32_SLOTS.get(node.op_type, ())
+                fp32 = id(node) in kept or _float32_slot(node, i)
                 if made[name] != (FLOAT if fp32 else HALF):
                     node.input[i] = cast(name, FLOAT if fp32 else HALF)
         for name, point_to in outer.get(id(node), ()):
@@ -137,6 +199,14 @@ def to_float16(model: onnx.ModelProto, keep: Callable[[onnx.NodeProto], bool] | 
         v.type.tensor_type.elem_type = made.get(v.name, v.type.tensor_type.elem_type)
     graph.value_info.extend(known)
     return model
+
+
+def _float32_slot(node: onnx.NodeProto, i: int) -> bool:
+    """Input `i` of a float16 `node` that stays float32: Resize's roi and scales (the spec's), a fused MSDA node's
+    locations and weights (the operator's float16-value variant takes them in float32)."""
+    if _is_fused(node):
+        return i in _FUSED_FLOAT32_SLOTS
+    return node.domain in ("", "ai.onnx") and i in _FLOAT32_SLOTS.get(node.op_type, ())
 
 
 def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

@@ -13,22 +13,28 @@ def session_options(path: Path):
     return custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
 
 
-def session(path: Path, providers):
-    """An onnxruntime session for checking the staged graph, with the custom operators it uses registered and the
-    providers' options a served model gets by default (TF32 off on CUDA)."""
+def session(path: Path, providers, precision: str = "float32"):
+    """An onnxruntime session for checking the staged graph, with the custom operators it uses registered and what a
+    served model of `precision` gets by default on each provider (runtime/predictor.py: on CUDA, TF32 off for float32
+    graphs, MatMul+Add left unfused)."""
     import onnxruntime as ort
 
-    from d2export.runtime.predictor import options_per_provider, resolve_providers
+    from d2export.runtime.predictor import disable_cuda_optimizers, options_per_provider, resolve_providers
 
     providers = resolve_providers(providers)
-    return ort.InferenceSession(str(path), session_options(path), providers=providers,
-                                provider_options=options_per_provider(providers))
+    return ort.InferenceSession(str(path), disable_cuda_optimizers(session_options(path), providers),
+                                providers=providers, provider_options=options_per_provider(providers,
+                                                                                            precision=precision))
 
 
 def ran_on(session, path: Path) -> dict:
-    """The providers a verification really ran on, with their options, and for a fused graph the kernel that
-    computed its operator ("native", "numba" or "cuda"): what a server must use to serve the same."""
-    ran = {"providers": session.get_providers(), "provider_options": session.get_provider_options()}
+    """The providers a verification really ran on, with their options and the graph transformers left out, and for a
+    fused graph the kernel that computed its operator ("native", "numba" or "cuda"): what a server must use to serve
+    the same."""
+    from d2export.runtime.predictor import disabled_optimizers
+
+    ran = {"providers": session.get_providers(), "provider_options": session.get_provider_options(),
+           "disabled_optimizers": disabled_optimizers(session)}
     kernel = custom_ops.serving_kernel(custom_ops.file_ops(path), session.get_providers())
     return ran | ({"msda_kernel": kernel} if kernel else {})
 

@@ -181,7 +181,8 @@ def convert_to_float16(subject: Subject) -> dict:
 
     keep_io_types = subject.built.cfg.export.keep_io_types
     progress.step(5, "converting to float16", f"keep_io_types={keep_io_types}")
-    onnx.save(to_float16(onnx.load(str(subject.path)), keep_io_types=keep_io_types), str(subject.path))
+    onnx.save(to_float16(onnx.load(str(subject.path)), keep_io_types=keep_io_types,
+                         fused=subject.built.cfg.export.fp16_fused), str(subject.path))
     return _verify_reduced(subject, "float16") if subject.cases else {"passed": None}
 
 
@@ -231,7 +232,7 @@ def _verify_reduced(subject: Subject, precision: str) -> dict:
     detections the same, near-tied selections pinned where float noise explains them; or VerificationError."""
     cfg, path, cases, names = subject.built.cfg, subject.path, subject.cases, subject.output_names
     tol, kinds = reduced_tolerances(cfg, precision), subject.built.family.output_kinds
-    session = sessions.session(path, cfg.verify.providers)
+    session = sessions.session(path, cfg.verify.providers, precision)
     summary = verify.run_reduced_precision(session, names, cases, tol, kinds)
     if not summary["passed"]:
         results = [verify.Comparison(**c) for c in summary["cases"]]

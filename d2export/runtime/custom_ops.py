@@ -6,7 +6,9 @@ kernels compute it on the CPU, the same way:
 - "native": a C++ custom-op library (d2export/runtime/native) that setup.py builds beside this module where a compiler
   exists; onnxruntime loads it and runs it on the session's own intra-op threads. Where nvcc was found too, setup.py
   builds the same library with a CUDA kernel beside the CPU one (`_msda_cuda*`), registered instead: a CPU session
-  still runs the CPU kernel ("native"), a session on onnxruntime's CUDA provider runs the CUDA one ("cuda");
+  still runs the CPU kernel ("native"), a session on onnxruntime's CUDA provider runs the CUDA one ("cuda"). Both
+  also take float16 (value and output float16 with float32 or float16 locations and weights: a float16 graph's fused
+  node with export.fp16_fused=float16);
 - "numba": a compiled numba kernel (`msda_kernel`) that onnxruntime-extensions hands to onnxruntime (the `fused` extra).
 The native one serves where it is built, numba otherwise; `D2EXPORT_MSDA_KERNEL=native|numba` forces one (tests,
 benchmarks). The manifest lists the operators a graph needs (`custom_ops`); `register` makes a SessionOptions able to
@@ -16,12 +18,15 @@ the numba kernel; without either kernel, one clear error says what to install.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.machinery
 import os
 import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
+
+from d2export.runtime import cuda_build
 
 DOMAIN = "d2export"
 FUSED_MSDA = "MultiScaleDeformableAttention"
@@ -126,9 +131,18 @@ def forcing(name: str | None):
 
 def native_library() -> str | None:
     """The native MSDA library's path, where setup.py built it (beside this module), else None: the build with the
-    CUDA kernel where there is one (it holds the same CPU kernel, and loads without a GPU or a driver), else the CPU
-    build. The library does not depend on Python's ABI, so a build under another Python's suffix serves too."""
-    return cuda_library() or _built(NATIVE_NAME)
+    CUDA kernel where there is one (it holds the same CPU kernel, and loads without a GPU or a driver) unless this
+    machine's driver is too old for its cudart (cuda_build), else the CPU build. The library does not depend on Python's ABI, so a build under another Python's suffix serves too."""
+    cuda = cuda_library()
+    if cuda and _cuda_runnable(cuda):
+        return cuda
+    return _built(NATIVE_NAME) or cuda
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_runnable(library: str) -> bool:
+    """Once per process (it warns when false): see cuda_build.runnable."""
+    return cuda_build.runnable(library)
 
 
 def cuda_library() -> str | None:

@@ -73,16 +73,53 @@ def resolve_providers(names: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(chosen + [PROVIDERS["cpu"]]))
 
 
-def options_per_provider(providers: Sequence[str], tf32: bool = False,
-                         given: Sequence[dict] | None = None) -> list[dict]:
-    """Each provider's options: `given` (one dict per provider, in order) over d2export's defaults. onnxruntime's CUDA
-    provider computes convolutions and MatMuls in TF32 on Ampere and later unless told not to: 10 mantissa bits,
-    enough to swap a two-stage model's near-tied proposals (measured on R-50 TESTR: whole detections, 624 px apart),
-    so it is off unless `tf32`, and the provider serves what verification compared."""
+# onnxruntime's graph transformer that turns MatMul + Add on known shapes into Gemm: on CUDA the Gemm first writes its
+# bias into the output with a broadcast kernel (`BroadcastBiasKernel`: 6.4 of 62.8 ms a call measured, float16 batch
+# 8 on an H200), then cuBLAS adds the product to it; without the fusion the bias is one elementwise Add
+DISABLED_OPTIMIZERS_KEY = "optimization.disable_specified_optimizers"  # a session config entry, names joined by ;
+CUDA_DISABLED_OPTIMIZERS = ("MatMulAddFusion",)
+
+
+def cuda_options(precision: str = "float32", tf32: bool = False) -> dict[str, str]:
+    """The CUDA provider's options d2export serves a graph of `precision` with (the manifest's: float32, float16,
+    int8). `use_tf32`: a float32 graph is served in float32, as verified (TF32's 10 mantissa bits swap a two-stage
+    model's near-tied proposals: measured on R-50 TESTR, whole detections 624 px apart) unless `tf32`; a float16
+    graph gets it on, because onnxruntime's cuDNN-9 convolutions leave out the tensor-core engines whenever it is off,
+    float16 ones included (TF32 touches only float32 arithmetic: the nodes a float16 graph keeps in float32, Softmax
+    and MSDA's sampling, have float16's 10 mantissa bits anyway). `fuse_conv_bias`: cuDNN adds a convolution's bias in
+    the same kernel instead of a second one. `prefer_nhwc`: channels-last convolutions, the tensor cores' layout, where
+    they run (float16, or TF32). Proposed from onnxruntime's source; their GPU figures are `tools/benchmark.py gpu`'s
+    rows (docs/gpu.md)."""
+    tensor_cores = tf32 or precision == "float16"
+    on = "1" if tensor_cores else "0"
+    return {"use_tf32": on, "fuse_conv_bias": "1", "prefer_nhwc": on}
+
+
+def options_per_provider(providers: Sequence[str], tf32: bool = False, given: Sequence[dict] | None = None,
+                         precision: str = "float32") -> list[dict]:
+    """Each provider's options: `given` (one dict per provider, in order) over d2export's defaults (on CUDA
+    `cuda_options(precision, tf32)`), so the provider serves what verification compared."""
     given = list(given or [])
     given += [{}] * (len(providers) - len(given))
-    return [({"use_tf32": "1" if tf32 else "0"} if p == PROVIDERS["cuda"] else {}) | dict(g)
+    return [(cuda_options(precision, tf32) if p == PROVIDERS["cuda"] else {}) | dict(g)
             for p, g in zip(providers, given)]
+
+
+def disable_cuda_optimizers(options, providers: Sequence[str]):
+    """`options` (onnxruntime SessionOptions) with `CUDA_DISABLED_OPTIMIZERS` turned off where CUDA serves; the
+    CPU's own sessions keep every fusion (its Gemm adds the bias in the product)."""
+    if PROVIDERS["cuda"] in providers:
+        options.add_session_config_entry(DISABLED_OPTIMIZERS_KEY, ";".join(CUDA_DISABLED_OPTIMIZERS))
+    return options
+
+
+def disabled_optimizers(session) -> list[str]:
+    """The graph transformers a session was built without (for metadata and the manifest)."""
+    try:
+        value = session.get_session_options().get_session_config_entry(DISABLED_OPTIMIZERS_KEY)
+    except RuntimeError:  # onnxruntime's answer for an entry never set
+        return []
+    return [name for name in value.split(";") if name]
 
 
 class Processing:
@@ -178,7 +215,7 @@ class Predictor(Processing):
         own metadata_props (a lone model.onnx); by default such a model is refused (an interrupted export).
         `cuda_graph`: on the CUDA provider, replay onnxruntime's CUDA graphs (one captured per batch and size, inputs
         and outputs in fixed device buffers: `BoundRuns`) where onnxruntime accepts the graph (every node on the CUDA
-        provider: a fixed-size export); elsewhere it serves as without, after one line in the log."""
+        provider: a fixed-size export), tried first; elsewhere it serves as without, after one line in the log."""
         import onnxruntime as ort
 
         self.model_path, self.threads = Path(model_path), int(threads)
@@ -194,35 +231,41 @@ class Predictor(Processing):
         except custom_ops.MissingExtra as e:
             raise ProviderUnavailable(str(e)) from None
         self.providers = resolve_providers(providers)
-        try:
-            self.session = create_session(self.model_path, options, self.providers,
-                                          provider_options=options_per_provider(self.providers, tf32, provider_options))
-        except Exception as e:  # noqa: BLE001 - onnxruntime's protobuf/graph errors span many lines and types
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ModelLoadError(f"{self.model_path}: not a loadable ONNX model ({first[:300]})") from None
+        disable_cuda_optimizers(options, self.providers)
+        per_provider = options_per_provider(self.providers, tf32, provider_options, self.manifest.precision)
+        self.session, self.bound = self._cuda_graph_session(options, per_provider) if cuda_graph else (None, None)
+        if self.session is None:
+            try:
+                self.session = create_session(self.model_path, options, self.providers, provider_options=per_provider)
+            except Exception as e:  # noqa: BLE001 - onnxruntime's protobuf/graph errors span many lines and types
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ModelLoadError(f"{self.model_path}: not a loadable ONNX model ({first[:300]})") from None
         check_schema(self.model_path, self.manifest, self.session)
-        self.bound = self._cuda_graphs(options, tf32, provider_options) if cuda_graph else None
         # the kernel that really serves: the CUDA one where onnxruntime placed the session on its CUDA provider
         self.msda_kernel = custom_ops.serving_kernel(self.manifest.custom_ops, self.session.get_providers())
 
-    def _cuda_graphs(self, options, tf32: bool, provider_options) -> BoundRuns | None:
-        """A session that captures CUDA graphs, and its runner; None (and why, in one line) where there is none."""
+    def _cuda_graph_session(self, options, per_provider: list[dict]) -> tuple[Any, BoundRuns | None]:
+        """A session that captures CUDA graphs and its runner, built first so that a graph onnxruntime accepts costs
+        one session, not two; (None, None), after one line in the log, where onnxruntime refuses it (the plain session
+        is built then), or (the session, None) where it came up without the CUDA provider."""
         cuda = PROVIDERS["cuda"]
-        if self.session.get_providers()[0] != cuda:
-            log.warning("cuda graphs: not used: they need the CUDA provider (the session runs on %s)",
-                        self.session.get_providers()[0])
-            return None
-        per_provider = options_per_provider(self.providers, tf32, provider_options)
-        per_provider[self.providers.index(cuda)] |= {"enable_cuda_graph": "1"}
+        if cuda not in self.providers:  # the plain session, built next, runs on the first one asked for
+            log.warning("cuda graphs: not used: they need the CUDA provider (the session runs on %s)", self.providers[0])
+            return None, None
+        with_graphs = [dict(o) for o in per_provider]
+        with_graphs[self.providers.index(cuda)]["enable_cuda_graph"] = "1"
         try:
-            session = create_session(self.model_path, options, self.providers, provider_options=per_provider)
+            session = create_session(self.model_path, options, self.providers, provider_options=with_graphs)
         except Exception as e:  # noqa: BLE001 - onnxruntime says why in its message (nodes left to the CPU, copies)
             log.warning("cuda graphs: not used: onnxruntime refuses them for this graph (%s)",
                         (str(e).strip().splitlines() or [type(e).__name__])[0][:300])
-            return None
-        self.session = session
+            return None, None
+        if session.get_providers()[0] != cuda:  # onnxruntime dropped a CUDA provider it could not load
+            log.warning("cuda graphs: not used: they need the CUDA provider (the session runs on %s)",
+                        session.get_providers()[0])
+            return session, None
         device_id = int(session.get_provider_options().get(cuda, {}).get("device_id", 0))
-        return BoundRuns(session, self.output_names, "cuda", device_id)
+        return session, BoundRuns(session, self.output_names, "cuda", device_id)
 
     # the graph -----------------------------------------------------------------------------------------------------
     def run(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
@@ -286,6 +329,7 @@ class Predictor(Processing):
                 "cuda_graph": self.bound is not None,
                 "providers": self.session.get_providers(),  # what the session runs on, not what was asked
                 "provider_options": self.session.get_provider_options(),
+                "disabled_optimizers": disabled_optimizers(self.session),
                 "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],
                 "preprocess": m.preprocess | {"min_size_test": self.min_size, "max_size_test": self.max_size},
                 "postprocess": m.postprocess | {"score_threshold": self.score_threshold},

@@ -7,15 +7,18 @@
 // accumulated in float. Rows (image, query) run on the session's intra-op threads (KernelContext_ParallelFor), so the
 // library has no thread pool of its own and needs no Python.
 //
-// inputs  value [N, S, M, D] float, spatial_shapes [L, 2] int64 (H, W), level_start_index [L] int64,
-//         sampling_locations [N, Lq, M, L, P, 2] float (x, y in [0, 1]), attention_weights [N, Lq, M, L, P] float
-// output  [N, Lq, M * D] float
+// inputs  value [N, S, M, D] T, spatial_shapes [L, 2] int64 (H, W), level_start_index [L] int64,
+//         sampling_locations [N, Lq, M, L, P, 2] U (x, y in [0, 1]), attention_weights [N, Lq, M, L, P] U
+// output  [N, Lq, M * D] T
+// (T, U): (float, float), (float16, float), (float16, float16): float16 read as float16, summed in float, the output
+// rounded once.
 #include <algorithm>
 #include <cmath>
 #include <exception>
 #include <functional>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "msda_op.h"
@@ -76,22 +79,33 @@ std::string shape_str(const std::vector<int64_t>& dims) {
   return s + (dims.size() == 1 ? ",)" : ")");
 }
 
+// float16 is carried as its bits (uint16_t) on the host: widened exactly, accumulated in float, rounded once.
+using Half = uint16_t;
+inline float widen(float x) { return x; }
+inline float widen(Half x) { return msda::half_to_float(x); }
+inline void narrow(float x, float& out) { out = x; }
+inline void narrow(float x, Half& out) { out = msda::float_to_half(x); }
+
+// T: value and output (float or Half); U: locations and weights.
+template <typename T, typename U>
 struct Problem {
-  const float* value;      // [N * S, M * D]
+  const T* value;          // [N * S, M * D]
   const int64_t* shapes;   // [L, 2]
   const int64_t* starts;   // [L]
-  const float* loc;        // [N * Lq * M * L * P * 2]
-  const float* attn;       // [N * Lq * M * L * P]
-  float* out;              // [N * Lq, M * D]
+  const U* loc;            // [N * Lq * M * L * P * 2]
+  const U* attn;           // [N * Lq * M * L * P]
+  T* out;                  // [N * Lq, M * D]
   int64_t tokens, heads, dim, queries, levels, points;
 };
 
-// acc += w00 * a + w01 * b + w10 * c + w11 * d over n floats. The restrict pointers let the compiler vectorise along
-// D without run-time overlap checks (the output row never aliases value).
-inline void blend4(float* __restrict acc, const float* __restrict a, const float* __restrict b,
-                   const float* __restrict c, const float* __restrict d, float w00, float w01, float w10, float w11,
-                   int64_t n) {
-  for (int64_t k = 0; k < n; ++k) acc[k] += msda::blend(a[k], b[k], c[k], d[k], w00, w01, w10, w11);
+// acc += w00 * a + w01 * b + w10 * c + w11 * d over n channels. The restrict pointers let the compiler vectorise along
+// D without run-time overlap checks (the accumulator never aliases value).
+template <typename T>
+inline void blend4(float* __restrict acc, const T* __restrict a, const T* __restrict b, const T* __restrict c,
+                   const T* __restrict d, float w00, float w01, float w10, float w11, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    acc[k] += msda::blend(widen(a[k]), widen(b[k]), widen(c[k]), widen(d[k]), w00, w01, w10, w11);
+  }
 }
 
 // Built for the default x86-64 target (the library may move between CPUs), the D loop would get 4-float SSE vectors
@@ -102,23 +116,25 @@ inline void blend4(float* __restrict acc, const float* __restrict a, const float
 #define D2_CLONES
 #endif
 
-// One output row: image row / Lq, query row % Lq, every head, level and point.
-D2_CLONES void compute_row(const Problem& p, int64_t row) {
-  const int64_t width_md = p.heads * p.dim;  // floats per token in value and per row in out
-  float* acc = p.out + row * width_md;
+// One output row: image row / Lq, query row % Lq, every head, level and point, accumulated in float into `acc` (the
+// float32 output row itself; for a float16 output, a float row rounded once at the end).
+template <typename T, typename U>
+inline void compute_row(const Problem<T, U>& p, int64_t row, float* acc) {
+  const int64_t width_md = p.heads * p.dim;  // values per token in value and per row in out
   std::fill(acc, acc + width_md, 0.0f);
-  const float* image = p.value + (row / p.queries) * p.tokens * width_md;
+  const T* image = p.value + (row / p.queries) * p.tokens * width_md;
   for (int64_t h = 0; h < p.heads; ++h) {
     float* acc_h = acc + h * p.dim;
-    const float* head = image + h * p.dim;
+    const T* head = image + h * p.dim;
     for (int64_t lv = 0; lv < p.levels; ++lv) {
       const int64_t height = p.shapes[2 * lv], width = p.shapes[2 * lv + 1];
       if (height == 0 || width == 0) continue;  // no pixels (a clamped read would leave the level)
-      const float* level = head + p.starts[lv] * width_md;
+      const T* level = head + p.starts[lv] * width_md;
       const int64_t first = ((row * p.heads + h) * p.levels + lv) * p.points;  // loc and attn: [row, M, L, P]
       for (int64_t i = first; i < first + p.points; ++i) {
         msda::Corners c;
-        if (!msda::corners(p.loc[2 * i], p.loc[2 * i + 1], p.attn[i], height, width, c)) continue;
+        const float x = widen(p.loc[2 * i]), y = widen(p.loc[2 * i + 1]), a = widen(p.attn[i]);
+        if (!msda::corners(x, y, a, height, width, c)) continue;
         blend4(acc_h, level + c.top_left * width_md, level + c.top_right * width_md, level + c.bottom_left * width_md,
                level + c.bottom_right * width_md, c.w00, c.w01, c.w10, c.w11, p.dim);
       }
@@ -126,7 +142,36 @@ D2_CLONES void compute_row(const Problem& p, int64_t row) {
   }
 }
 
-void row_task(void* data, size_t row) { compute_row(*static_cast<const Problem*>(data), static_cast<int64_t>(row)); }
+D2_CLONES void float_row(const Problem<float, float>& p, int64_t row) {
+  compute_row(p, row, p.out + row * p.heads * p.dim);
+}
+
+// float16 rows: summed in `scratch`, one row per pool thread at a time (no allocation after a thread's first row).
+template <typename U>
+inline void half_row(const Problem<Half, U>& p, int64_t row) {
+  const int64_t width_md = p.heads * p.dim;
+  thread_local std::vector<float> scratch;
+  if (scratch.size() < static_cast<size_t>(width_md)) scratch.resize(width_md);
+  compute_row(p, row, scratch.data());
+  Half* out = p.out + row * width_md;
+  for (int64_t k = 0; k < width_md; ++k) narrow(scratch[k], out[k]);
+}
+// GCC refuses target_clones on templates: one plain function per variant.
+D2_CLONES void half_row_float(const Problem<Half, float>& p, int64_t row) { half_row(p, row); }
+D2_CLONES void half_row_half(const Problem<Half, Half>& p, int64_t row) { half_row(p, row); }
+
+template <typename T, typename U>
+void row_task(void* data, size_t index) {
+  const auto& p = *static_cast<const Problem<T, U>*>(data);
+  const auto row = static_cast<int64_t>(index);
+  if constexpr (std::is_same_v<T, float>) {
+    float_row(p, row);
+  } else if constexpr (std::is_same_v<U, float>) {
+    half_row_float(p, row);
+  } else {
+    half_row_half(p, row);
+  }
+}
 
 // Shapes checked as msda_kernel.msda checks them; an OrtStatus naming the problem, or nullptr. The level tables
 // (their contents) are read only once their shapes are known to match.
@@ -193,29 +238,31 @@ OrtStatus* msda::prepare(const OrtApi* api, OrtKernelContext* context, msda::Ten
                                                                                               &output));
   void* out_data = nullptr;
   RETURN_IF_ERROR(ort::get<ort::GetTensorMutableDataFn>(api, ort::GetTensorMutableData)(output, &out_data));
-  t = msda::Tensors{data[0], shape_data, start_data, static_cast<const float*>(data[3]),
-                    static_cast<const float*>(data[4]), out_data, value[0], value[1], value[2], value[3],
+  t = msda::Tensors{data[0], shape_data, start_data, data[3], data[4], out_data, value[0], value[1], value[2], value[3],
                     loc[1], loc[3], loc[4]};
   return nullptr;
 }
 
 namespace {
 
+template <typename T, typename U>
 OrtStatus* compute(const Runtime& rt, OrtKernelContext* context) {
   const OrtApi* api = rt.api;
   msda::Tensors t;
   RETURN_IF_ERROR(msda::prepare(api, context, t));
-  Problem problem{static_cast<const float*>(t.value), t.shapes, t.starts, t.loc, t.attn, static_cast<float*>(t.out),
-                  t.tokens, t.heads, t.dim, t.queries, t.levels, t.points};
+  Problem<T, U> problem{static_cast<const T*>(t.value), t.shapes, t.starts, static_cast<const U*>(t.loc),
+                        static_cast<const U*>(t.attn), static_cast<T*>(t.out), t.tokens, t.heads, t.dim, t.queries,
+                        t.levels, t.points};
   const size_t rows = static_cast<size_t>(t.batch * t.queries);
   if (rows == 0 || t.heads * t.dim == 0) return nullptr;
+  void (*task)(void*, size_t) = row_task<T, U>;
   if (rt.parallel) {
     // num_batch 0: onnxruntime hands rows to its threads as they come free (rows cost alike, but threads do not
     // run alike on a shared machine).
-    return ort::get<ort::KernelContext_ParallelForFn>(api, ort::KernelContext_ParallelFor)(context, row_task, rows, 0,
+    return ort::get<ort::KernelContext_ParallelForFn>(api, ort::KernelContext_ParallelFor)(context, task, rows, 0,
                                                                                           &problem);
   }
-  for (size_t row = 0; row < rows; ++row) row_task(&problem, row);
+  for (size_t row = 0; row < rows; ++row) task(&problem, row);
   return nullptr;
 }
 
@@ -225,10 +272,11 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
   return nullptr;
 }
 
+template <typename T, typename U>
 OrtStatus* ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context) {
   const Runtime& rt = *static_cast<const Runtime*>(kernel);
   try {
-    return compute(rt, context);
+    return compute<T, U>(rt, context);
   } catch (const std::exception& e) {  // std::bad_alloc from a shape vector: nothing may unwind into onnxruntime
     return ort::get<ort::CreateStatusFn>(rt.api, ort::CreateStatus)(ORT_FAIL, e.what());
   }
@@ -244,27 +292,36 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, s
 }
 int ORT_API_CALL min_arity(const OrtCustomOp*) { return 1; }    // no variadic inputs or outputs: never asked
 int ORT_API_CALL homogeneous(const OrtCustomOp*) { return 1; }  // likewise
-ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
-  return index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+template <typename T>
+constexpr ONNXTensorElementDataType element_type() {
+  return std::is_same_v<T, float> ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 }
+template <typename T, typename U>
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
+  return index == 0 ? element_type<T>() : (index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+                                                                    : element_type<U>());
+}
+template <typename T>
 ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
-  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  return element_type<T>();
 }
 OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
 
+template <typename T, typename U>
 OrtCustomOp make_op() {
   OrtCustomOp op = msda::op_table();
   op.GetExecutionProviderType = op_provider;
-  op.GetInputType = input_type;
-  op.GetOutputType = output_type;
+  op.GetInputType = input_type<T, U>;
+  op.GetOutputType = output_type<T>;
   op.GetInputMemoryType = input_memory;
   op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute_kernel;
+  op.KernelComputeV2 = compute_kernel<T, U>;
   op.KernelDestroy = destroy_kernel;
   return op;
 }
 
-const OrtCustomOp g_op = make_op();
+// The variants msda_op.h lists, in its order: onnxruntime picks one by the node's input types.
+const OrtCustomOp g_ops[] = {make_op<float, float>(), make_op<Half, float>(), make_op<Half, Half>()};
 
 void set_up(const OrtApiBase* base, Runtime& rt) {
   rt.api = base->GetApi(kApiVersion);
@@ -273,7 +330,9 @@ void set_up(const OrtApiBase* base, Runtime& rt) {
   if (!rt.api) return;
   OrtCustomOpDomain* domain = nullptr;
   OrtStatus* status = ort::get<ort::CreateCustomOpDomainFn>(rt.api, ort::CreateCustomOpDomain)(kDomain, &domain);
-  if (!status) status = ort::get<ort::CustomOpDomain_AddFn>(rt.api, ort::CustomOpDomain_Add)(domain, &g_op);
+  for (size_t k = 0; !status && k < sizeof(g_ops) / sizeof(g_ops[0]); ++k) {
+    status = ort::get<ort::CustomOpDomain_AddFn>(rt.api, ort::CustomOpDomain_Add)(domain, &g_ops[k]);
+  }
 #if defined(D2_MSDA_CUDA)
   // The same operator for the CUDA execution provider, in the same domain (onnxruntime picks the kernel by the
   // node's provider and types). A session without that provider never creates them.

@@ -11,13 +11,14 @@
 namespace msda {
 
 // One call's tensors, shapes checked and output created. The level tables are host memory for every kernel (the
-// CUDA op declares them CPU inputs); the other pointers are in the kernel's own memory.
+// CUDA op declares them CPU inputs); the other pointers are in the kernel's own memory, of the element types the op
+// variant that onnxruntime chose declares (value and output alike; locations and weights alike).
 struct Tensors {
-  const void* value;     // [N, S, M, D]
+  const void* value;      // [N, S, M, D]
   const int64_t* shapes;  // [L, 2] (H, W)
   const int64_t* starts;  // [L]
-  const float* loc;       // [N, Lq, M, L, P, 2]
-  const float* attn;      // [N, Lq, M, L, P]
+  const void* loc;        // [N, Lq, M, L, P, 2]
+  const void* attn;       // [N, Lq, M, L, P]
   void* out;              // [N, Lq, M * D]
   int64_t batch, tokens, heads, dim, queries, levels, points;
 };
@@ -34,8 +35,14 @@ OrtCustomOp op_table();
 // creates the output: nullptr on success (msda_op.cc).
 OrtStatus* prepare(const OrtApi* api, OrtKernelContext* context, Tensors& t);
 
+// The element types of the op's variants, each registered for the CPU and (where built) the CUDA provider: value and
+// output float32 with float32 locations and weights; value and output float16 with float32 locations and weights (what
+// a float16 graph's fused node gets: its locations keep float32's precision); everything float16. onnxruntime picks
+// the variant by the node's input types (each input's type is constrained on its own) and infers the output's type
+// from it.
+
 #if defined(D2_MSDA_CUDA)
-// The CUDA execution provider's ops (msda_op_cuda.cu): `cuda_op_count()` of them, float32 and float16 value/output.
+// The CUDA execution provider's ops (msda_op_cuda.cu): `cuda_op_count()` of them, the variants above.
 // Declaring them calls nothing in CUDA: a library with them loads and registers without a GPU or a driver.
 size_t cuda_op_count();
 const OrtCustomOp* cuda_op(size_t index);

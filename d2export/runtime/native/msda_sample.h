@@ -2,10 +2,12 @@
 // (msda_op_cuda.cu): one point's four corners and their weights, and one channel's blend of them. Both kernels call
 // exactly these functions, so they sample alike: pixel coordinates in double, align_corners=False, zero padding (a
 // corner outside the level weighs 0 and reads a clamped, valid pixel instead, so that no corner needs a branch in the
-// channel loop), a point whose whole footprint is outside the level (or NaN) contributes nothing.
+// channel loop), a point whose whole footprint is outside the level (or NaN) contributes nothing. float16 inputs are
+// widened exactly to float and every sum is a float; a float16 output is that float rounded once (to nearest even).
 #pragma once
 
 #include <math.h>
+#include <string.h>
 
 #include <cstdint>
 
@@ -13,6 +15,11 @@
 #define D2_HD __host__ __device__ __forceinline__
 #else
 #define D2_HD inline
+#endif
+#if defined(__CUDA_ARCH__)  // the device pass only: host compilers warn about a pragma they do not know
+#define D2_UNROLL _Pragma("unroll")
+#else
+#define D2_UNROLL
 #endif
 
 namespace msda {
@@ -62,20 +69,66 @@ D2_HD float blend(float a, float b, float c, float d, float w00, float w01, floa
   return (w00 * a + w01 * b) + (w10 * c + w11 * d);
 }
 
+// IEEE binary16 <-> float on the host, as bits (uint16_t), portable to any compiler and CPU: the CPU kernel's float16
+// (the CUDA kernel uses the device's own conversions, which round alike). Widening is exact; narrowing rounds to
+// nearest, ties to even, overflowing to infinity from 65520 on, NaN staying NaN.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1f) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // infinity, or NaN with its payload
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);  // rebias 15 -> 127
+  } else {
+    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;  // subnormal: mantissa * 2^-24, exact
+    return sign ? -f : f;
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_half(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return sign | 0x7e00u | ((magnitude >> 13) & 0x3ffu);  // NaN, kept quiet
+  if (magnitude >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and up (infinity included): infinity
+  uint32_t q, rest, half;
+  if (magnitude < 0x38800000u) {  // below 2^-14: a subnormal half (or zero), in units of 2^-24
+    const uint32_t exponent = magnitude >> 23;
+    if (exponent < 102) return sign;  // below 2^-25, which (even 0 as the tie) rounds to zero
+    const uint32_t shift = 126 - exponent;  // 14..24
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    q = mantissa >> shift;
+    rest = mantissa & ((1u << shift) - 1);
+    half = 1u << (shift - 1);
+  } else {
+    q = (magnitude - 0x38000000u) >> 13;  // rebias 127 -> 15 and drop 13 mantissa bits
+    rest = magnitude & 0x1fffu;
+    half = 0x1000u;
+  }
+  if (rest > half || (rest == half && (q & 1u))) ++q;  // a carry into the exponent is the right encoding
+  return static_cast<uint16_t>(sign | q);
+}
+
 // The level tables as the CUDA kernel takes them (by value, as a kernel argument: no copy, no allocation).
 constexpr int kMaxLevels = 16;
 struct Levels {
   int64_t height[kMaxLevels], width[kMaxLevels], start[kMaxLevels];
 };
 
-// One output element as the CUDA kernel computes it: channel `head[0]` of head h of image row `row` (head points at
-// that image's value, that head and channel; `row_head` = row * M + h), summed over every level and point in the CPU
-// kernel's order. `load(pointer)` reads one value as float (float16 widened). Tested on the CPU through this very
-// function (tests/test_msda_cuda_build.py).
-template <typename T, typename Load>
-D2_HD float element(const T* head, const float* loc, const float* attn, const Levels& levels, int n_levels,
-                    int64_t points, int64_t row_head, int64_t width_md, Load load) {
-  float acc = 0.0f;
+// What one CUDA thread computes: V consecutive channels of head h of image row `row`, added into acc (zeroed by the
+// caller), summed over every level and point in the CPU kernel's order (per channel the same terms, the same
+// roundings). `head` points at that image's value, that head and its first channel; `row_head` = row * M + h.
+// Each point's location, weight and corners are read and computed once for all V channels; `load(pointer, values)`
+// reads V channels of one corner as floats (wide loads on the GPU), `widen(x)` reads a location or weight as float.
+// Tested on the CPU through this very function (tests/test_msda_cuda_build.py).
+template <int V, typename T, typename U, typename Load, typename Widen>
+D2_HD void accumulate(const T* head, const U* loc, const U* attn, const Levels& levels, int n_levels, int64_t points,
+                      int64_t row_head, int64_t width_md, Load load, Widen widen, float (&acc)[V]) {
   for (int lv = 0; lv < n_levels; ++lv) {
     const int64_t height = levels.height[lv], width = levels.width[lv];
     if (height == 0 || width == 0) continue;  // no pixels (a clamped read would leave the level)
@@ -83,13 +136,16 @@ D2_HD float element(const T* head, const float* loc, const float* attn, const Le
     const int64_t first = (row_head * n_levels + lv) * points;  // loc and attn: [row, M, L, P]
     for (int64_t i = first; i < first + points; ++i) {
       Corners c;
-      if (!corners(loc[2 * i], loc[2 * i + 1], attn[i], height, width, c)) continue;
-      acc += blend(load(level + c.top_left * width_md), load(level + c.top_right * width_md),
-                   load(level + c.bottom_left * width_md), load(level + c.bottom_right * width_md), c.w00, c.w01,
-                   c.w10, c.w11);
+      if (!corners(widen(loc[2 * i]), widen(loc[2 * i + 1]), widen(attn[i]), height, width, c)) continue;
+      float a[V], b[V], d[V], e[V];
+      load(level + c.top_left * width_md, a);
+      load(level + c.top_right * width_md, b);
+      load(level + c.bottom_left * width_md, d);
+      load(level + c.bottom_right * width_md, e);
+      D2_UNROLL
+      for (int k = 0; k < V; ++k) acc[k] += blend(a[k], b[k], d[k], e[k], c.w00, c.w01, c.w10, c.w11);
     }
   }
-  return acc;
 }
 
 }  // namespace msda
