@@ -1,6 +1,6 @@
 """docs/architecture.md's floors table is the import graph as it is: every module under d2export/ has a row, no
-import runs up a floor (lazy imports inside functions too), and d2export imports neither third_party/ nor the
-dispatcher (d2export/cli.py). Reads source only: imports nothing of d2export."""
+import runs up a floor (lazy imports inside functions too), and d2export imports neither third_party/, training/ (the
+fixtures' workshop) nor the dispatcher (d2export/cli.py). Reads source only: imports nothing of d2export."""
 from __future__ import annotations
 
 import ast
@@ -14,9 +14,11 @@ DISPATCHER = "d2export.cli"
 DISPATCHER_FILE = "d2export/cli.py"
 
 
-def third_party_names(repo: Path = REPO) -> frozenset[str]:
-    """Top-level names d2export must never import: third_party/ itself and each package in it."""
-    return frozenset({"third_party"} | {p.name for p in (repo / "third_party").iterdir() if p.is_dir()})
+def outside_names(repo: Path = REPO) -> dict[str, str]:
+    """Top-level names d2export must never import → the folder they live in: third_party/ itself and each package in
+    it, and training/ (the scripts that train the fixtures, run from the repository, never installed)."""
+    names = {p.name: "third_party/" for p in (repo / "third_party").iterdir() if p.is_dir()}
+    return {**names, "third_party": "third_party/", "training": "training/"}
 
 
 # ------------------------------------------------------------------------------------------------------ the table
@@ -114,10 +116,10 @@ def imports_of(repo: Path, rel: str, paths: dict[str, str]) -> list[Import]:
 class Problems:
     uncovered: list[str]  # modules without a row, and rows naming nothing
     upward: list[str]  # imports running up a floor
-    forbidden: list[str]  # imports of third_party/ or of the dispatcher
+    forbidden: list[str]  # imports of third_party/, training/ or the dispatcher
 
 
-def check(repo: Path, markdown: str, forbidden: frozenset[str]) -> Problems:
+def check(repo: Path, markdown: str, forbidden: dict[str, str]) -> Problems:
     floors = read_floors(markdown)
     paths = module_paths(repo)
     files = sorted(p for p in paths.values() if p.endswith(".py"))
@@ -132,7 +134,7 @@ def check(repo: Path, markdown: str, forbidden: frozenset[str]) -> Problems:
                 problems.forbidden.append(f"{rel}:{imp.line} imports the dispatcher {DISPATCHER} (the helpers are "
                                           "in d2export.commandline)")
             elif imp.target in forbidden:
-                problems.forbidden.append(f"{rel}:{imp.line} imports {imp.target} (third_party/)")
+                problems.forbidden.append(f"{rel}:{imp.line} imports {imp.target} ({forbidden[imp.target]})")
             if not imp.target.startswith("d2export"):
                 continue
             there = row_of(paths[imp.target], floors)
@@ -145,7 +147,7 @@ def check(repo: Path, markdown: str, forbidden: frozenset[str]) -> Problems:
 
 
 def _real() -> Problems:
-    return check(REPO, DOC.read_text(), third_party_names())
+    return check(REPO, DOC.read_text(), outside_names())
 
 
 def test_every_module_under_d2export_has_a_row():
@@ -156,7 +158,7 @@ def test_no_import_runs_up_a_floor():
     assert _real().upward == []
 
 
-def test_d2export_imports_neither_third_party_nor_the_dispatcher():
+def test_d2export_imports_neither_third_party_training_nor_the_dispatcher():
     assert _real().forbidden == []
 
 
@@ -167,7 +169,7 @@ def _fake_repo(tmp_path: Path) -> Path:
         "d2export/low.py": "def f():\n    from d2export.pkg import high  # lazy, still counted\n",
         "d2export/pkg/__init__.py": "",
         "d2export/pkg/high.py": "from . import other\nfrom ..low import f\n",
-        "d2export/pkg/other.py": "import d2export.cli\nimport testr.modeling\n",
+        "d2export/pkg/other.py": "import d2export.cli\nimport testr.modeling\nfrom training.common import reading\n",
         "d2export/cli.py": "from d2export import low\n",
         "d2export/stray.py": "",
     }
@@ -190,7 +192,7 @@ TABLE = """| floor | modules | what |
 
 def test_the_checker_reports_a_moved_row_a_missing_row_and_forbidden_imports(tmp_path):
     repo = _fake_repo(tmp_path)
-    found = check(repo, TABLE, frozenset({"testr", "third_party"}))
+    found = check(repo, TABLE, {"testr": "third_party/", "third_party": "third_party/", "training": "training/"})
     assert found.uncovered == ["d2export/stray.py: no row in the floors table",
                                "d2export/gone.py: a row for nothing under d2export/"]
     assert found.upward == ["d2export/low.py:2 (floor 0, row d2export/low.py) imports d2export.pkg.high "
@@ -198,16 +200,17 @@ def test_the_checker_reports_a_moved_row_a_missing_row_and_forbidden_imports(tmp
                             "d2export/pkg/other.py:1 (floor 1, row d2export/pkg/) imports d2export.cli "
                             "(floor 2, row d2export/cli.py)"]
     assert found.forbidden == ["d2export/pkg/other.py:1 imports the dispatcher d2export.cli (the helpers are in "
-                               "d2export.commandline)", "d2export/pkg/other.py:2 imports testr (third_party/)"]
+                               "d2export.commandline)", "d2export/pkg/other.py:2 imports testr (third_party/)",
+                               "d2export/pkg/other.py:3 imports training (training/)"]
 
     # one row moved up a floor: the package's own relative imports stay on its floor; its import of low is fine
     moved = TABLE.replace("| 0 | `d2export/low.py`", "| 1 | `d2export/low.py`").replace(
         "| 1 | `d2export/pkg/`", "| 0 | `d2export/pkg/`")
-    upward = check(repo, moved, frozenset()).upward
+    upward = check(repo, moved, {}).upward
     assert "d2export/pkg/high.py:2 (floor 0, row d2export/pkg/) imports d2export.low (floor 1, row " \
            "d2export/low.py)" in upward and not any(u.startswith("d2export/low.py") for u in upward)
 
     # a file with its own row sits on that floor, not its package's
-    upward = check(repo, TABLE + "| 3 | `d2export/pkg/other.py` | x |\n", frozenset()).upward
+    upward = check(repo, TABLE + "| 3 | `d2export/pkg/other.py` | x |\n", {}).upward
     assert "d2export/pkg/high.py:1 (floor 1, row d2export/pkg/) imports d2export.pkg.other (floor 3, row " \
            "d2export/pkg/other.py)" in upward

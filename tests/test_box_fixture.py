@@ -32,7 +32,7 @@ def test_the_fixture_is_what_its_record_says():
     record = json.loads(FIXTURE.with_suffix(".json").read_text())
     assert hashlib.sha256(FIXTURE.read_bytes()).hexdigest() == record["sha256"]
     assert FIXTURE.stat().st_size == record["bytes"] <= 10 * 2**20
-    assert record["bbox"]["AP"] >= 50 and record["command"].startswith("python tools/train_box_fixture.py")
+    assert record["bbox"]["AP"] >= 50 and record["command"].startswith("python training/train_box_fixture.py")
 
 
 def test_export_verifies_with_the_trained_weights(exported):
@@ -184,7 +184,7 @@ def test_the_training_script_records_what_it_made_and_resumes(tmp_path):
     import torch
 
     fixture = tmp_path / "fixture.pth"
-    args = [sys.executable, str(REPO / "tools" / "train_box_fixture.py"), "--out", str(tmp_path / "run"), "--iters",
+    args = [sys.executable, str(REPO / "training" / "train_box_fixture.py"), "--out", str(tmp_path / "run"), "--iters",
             "2", "--train-count", "4", "--held-out-count", "2", "--size", "96x96", "--fixture", str(fixture),
             "--decay-at", "0.5", "--bf16", "SOLVER.IMS_PER_BATCH", "2", "MODEL.ROI_BOX_HEAD.FC_DIM", "32"]
     done = subprocess.run(args, capture_output=True, text=True, cwd=REPO, timeout=600)

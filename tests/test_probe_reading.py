@@ -1,4 +1,4 @@
-"""tools/probe_reading.py: where a spotter misreads, by the words' shape, height and length (hand-made outlines and
+"""training/probe_reading.py: where a spotter misreads, by the words' shape, height and length (hand-made outlines and
 reads), and its figures over a set agree with the text evaluator's on the same pictures."""
 import math
 import sys
@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import probe_reading  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # training/ is the fixtures' workshop, not the package
+from training import probe_reading  # noqa: E402
+from training.common import cpu_spotter, evaluate, reading  # noqa: E402
 
 from d2export.evaluating.text_metrics import Word  # noqa: E402
 
@@ -76,7 +77,6 @@ def test_over_a_set_it_agrees_with_the_text_evaluator(tmp_path, capsys):
 
     from detectron2.data import DatasetCatalog
     from testr.data import DatasetMapperWithBasis
-    from train_spotter import cpu_spotter, evaluate, reading
 
     cfg, model = cpu_spotter(str(probe_reading.REPO / "third_party/testr/configs/micro_spotter.yaml"), [], 1,
                              probe_reading.REPO / "tests/data/spotter_fixture.pth")

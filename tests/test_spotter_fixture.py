@@ -36,7 +36,7 @@ def test_the_fixture_is_what_its_record_says():
     assert hashlib.sha256(FIXTURE.read_bytes()).hexdigest() == RECORD["sha256"]
     assert FIXTURE.stat().st_size == RECORD["bytes"] <= 10 * 2**20
     # the recipe's last stage: the whole spotter, or its text branch alone (detection as the stage before had it)
-    assert RECORD["command"].startswith(("python tools/train_spotter.py", "python tools/probe_decoder.py"))
+    assert RECORD["command"].startswith(("python training/train_spotter.py", "python training/probe_decoder.py"))
     seeds = {RECORD["train"]["seed"], RECORD["validation"]["seed"]}
     assert RECORD["held_out"]["seed"] not in seeds and RECORD["held_out"]["count"] >= 200
     assert RECORD["held_out"]["det_hmean"] >= 40  # it finds words
@@ -79,7 +79,7 @@ def test_evaluate_pytorch_and_onnx_agree_on_text(exported, held_out):
 def test_float16_export_verifies_on_text(tmp_path, text_pictures):
     """On the pictures of its domain (verify.pictures), where its characters are confident: on noise pictures a
     reader's confident detections read strokes at character probabilities near 0.3, where float16 moves them most
-    (an earlier fixture's were refused there, docs/training.md)."""
+   ."""
     manifest = export("textdet_micro", tmp_path, "export.fp16=true", f"verify.pictures={text_pictures}")
     v = manifest.verification["fp16"]
     assert manifest.precision == "float16" and v["passed"] is True and manifest.verification["passed"] is True

@@ -13,6 +13,7 @@ import testr  # noqa: E402,F401
 from testr.config import get_cfg  # noqa: E402
 
 CONFIGS = Path(testr.__file__).parent / "configs"
+REPO = Path(__file__).resolve().parent.parent  # training/ (the fixtures' workshop) is imported from here
 FROM_SCRATCH = ["micro.yaml", "micro_spotter.yaml"]
 
 
@@ -209,50 +210,51 @@ def test_slot_references_give_each_character_slot_its_share_of_the_box():
     assert not any(layer.slot_references for layer in _model(_cfg("micro.yaml")).testr.transformer.decoder.layers)
 
 
-def test_the_probe_says_where_each_character_slot_looks():
-    """tools/probe_spotter.py's slot_placement on freshly built models (sampling offsets a symmetric ring, uniform
-    attention): every slot looks at the box's centre (upstream), or, with slot references, at the centre of its
-    share of the box: (s + 0.5) / 8 - 0.5 box widths, by hand."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("probe_spotter", CONFIGS.parents[2] / "tools" / "probe_spotter.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    images = [{"image": torch.rand(3, 96, 128) * 255, "height": 96, "width": 128}]
-    upstream = probe.slot_placement(_model(_cfg("micro.yaml")), images)
-    assert upstream["slot_spread"] < 1e-5 and max(map(abs, upstream["slot_x"])) < 1e-5
-    spread = probe.slot_placement(_model(_cfg("micro.yaml", "MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES", "True")), images)
-    assert spread["slot_x"] == pytest.approx([(s + 0.5) / 8 - 0.5 for s in range(8)], abs=2e-3)
-
-
-def test_the_finest_level_probe_moves_only_the_text_queries_attention():
-    """--text-finest: the text branch's cross attention then puts all but ~1e-4 of its weight on the finest level
-    (seeded: a quarter); the location branch's is untouched."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("probe_spotter", CONFIGS.parents[2] / "tools" / "probe_spotter.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    model = _model(_cfg("micro.yaml")).eval()
-    mass = {}
-
-    def finest(name, attn):
-        def hook(module, inputs, logits):
-            w = logits.view(*logits.shape[:-1], attn.n_heads, attn.n_levels * attn.n_points).softmax(-1)
-            mass[name] = float(w.view(*w.shape[:-1], attn.n_levels, attn.n_points)[..., 0, :].sum(-1).mean())
-        return hook
-
+def _slot_placement(model, images) -> dict:
+    """Where each character slot's text queries look, in the last decoder layer: the attention-weighted mean of
+    their sampling points' x offset from their proposal's box centre, in box widths (averaged over heads, queries
+    and `images`, a list of mapped test records), and how far apart one query's slots look (the mean over queries
+    of the slots' standard deviation)."""
     layer = model.testr.transformer.decoder.layers[-1]
-    layer.attn_cross_text.attention_weights.register_forward_hook(finest("text", layer.attn_cross_text))
-    layer.attn_cross.attention_weights.register_forward_hook(finest("location", layer.attn_cross))
-    image = [{"image": torch.rand(3, 96, 128) * 255, "height": 96, "width": 128}]
-    with torch.no_grad():
-        model(image)
-        before = dict(mass)
-        probe.text_reads_the_finest_level(model)
-        model(image)
-    assert before["text"] == pytest.approx(0.25, abs=0.05) and mass["text"] > 0.999
-    assert mass["location"] == pytest.approx(before["location"], abs=1e-6)
+    attn, seen = layer.attn_cross_text, {}
+    hooks = [attn.sampling_offsets.register_forward_hook(lambda m, i, o: seen.__setitem__("offsets", o)),
+             attn.attention_weights.register_forward_hook(lambda m, i, o: seen.__setitem__("weights", o)),
+             layer.register_forward_pre_hook(lambda m, args: seen.__setitem__("refs", args[4]))]
+    h, lv, p, slots = attn.n_heads, attn.n_levels, attn.n_points, model.testr.max_text_len
+    centres = []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for image in images:
+                model([image])
+                offsets = seen["offsets"].view(-1, slots, h, lv, p, 2)[..., 0]
+                weights = seen["weights"].view(-1, slots, h, lv * p).softmax(-1).view(-1, slots, h, lv, p)
+                box = seen["refs"][0]  # (Q, L, 4): the proposal's box per level, as the layer gets it
+                share = box[:, None].expand(-1, slots, -1, -1)  # (Q, S, L, 4): what each slot samples around
+                if getattr(layer, "slot_references", False):
+                    from testr.layers.deformable_transformer import slot_boxes
+
+                    share = slot_boxes(share)
+                share, box = share[:, :, None, :, None], box[:, None, None, :, None]  # against (Q, S, h, L, p)
+                x = share[..., 0] + offsets / p * share[..., 2] * 0.5  # where each point samples
+                x = (x - box[..., 0]) / box[..., 2]  # from the box's centre, in box widths
+                centres.append((x * weights).sum((-1, -2)).mean(-1))  # (Q, S)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    c = torch.cat(centres)
+    return {"slot_x": [round(float(v), 3) for v in c.mean(0)], "slot_spread": round(float(c.std(-1).mean()), 4)}
+
+
+def test_each_character_slot_looks_at_its_share_of_the_box():
+    """Where each character slot looks on freshly built models (sampling offsets a symmetric ring, uniform
+    attention): every slot looks at the box's centre (upstream), or, with slot references (micro_spotter.yaml's
+    TEXT_SLOT_REFERENCES), at the centre of its share of the box: (s + 0.5) / 8 - 0.5 box widths, by hand."""
+    images = [{"image": torch.rand(3, 96, 128) * 255, "height": 96, "width": 128}]
+    upstream = _slot_placement(_model(_cfg("micro.yaml")), images)
+    assert upstream["slot_spread"] < 1e-5 and max(map(abs, upstream["slot_x"])) < 1e-5
+    spread = _slot_placement(_model(_cfg("micro.yaml", "MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES", "True")), images)
+    assert spread["slot_x"] == pytest.approx([(s + 0.5) / 8 - 0.5 for s in range(8)], abs=2e-3)
 
 
 def _slot_logits(slots: list[int], classes=97, margin=12.0):
@@ -349,8 +351,9 @@ def test_the_char_centre_classifier_trains_and_never_ships(tmp_path):
 
 
 def test_glyph_pretraining_reads_each_character_where_it_was_drawn():
-    """tools/pretrain_glyphs.py's centres from a mapped synthetic picture (resized by the mapper) are the band's
-    midline at each glyph's centre, in the mapped picture's pixels; the classifier gets one row per character."""
+    """The glyph pretraining's centres (training/common.py) from a mapped synthetic picture (resized by the mapper)
+    are the band's midline at each glyph's centre, in the mapped picture's pixels; training/pretrain_glyphs.py's
+    classifier gets one row per character."""
     import sys
 
     import numpy as np
@@ -360,8 +363,8 @@ def test_glyph_pretraining_reads_each_character_where_it_was_drawn():
     from d2export.datasets.text import glyph_centres
     from testr.data import DatasetMapperWithBasis
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import pretrain_glyphs
+    sys.path.insert(0, str(REPO))
+    from training import common, pretrain_glyphs
 
     cfg = _cfg("micro_spotter.yaml", "INPUT.MIN_SIZE_TEST", "320")  # as step 1 of the recipe read
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
@@ -370,7 +373,7 @@ def test_glyph_pretraining_reads_each_character_where_it_was_drawn():
     _, instances = synth.draw("text", 5, 3, 240, 240)
     from d2export.charset import charset
 
-    points, ids = pretrain_glyphs.centres(record["instances"], 96, charset(96))
+    points, ids = common.centres(record["instances"], 96, charset(96))
     expected = np.concatenate([i["band"].at(np.asarray(glyph_centres(i["word"])), 0.5) for i in instances])
     np.testing.assert_allclose(points.numpy(), expected * 320 / 240, atol=0.05)
     assert len(ids) == sum(len(i["word"]) for i in instances) > 0
@@ -382,7 +385,7 @@ def test_glyph_pretraining_reads_each_character_where_it_was_drawn():
 
 
 def test_the_feature_probe_reads_the_projected_map_or_the_encoders_memory(tmp_path):
-    """tools/probe_features.py samples a feature per character of a synthetic picture, from the projected stride-8
+    """training/probe_features.py samples a feature per character of a synthetic picture, from the projected stride-8
     map or from the encoder's memory at the same level (the tokens of that level, back in their grid): the two
     differ, and a level's memory is not another level's."""
     import sys
@@ -391,8 +394,8 @@ def test_the_feature_probe_reads_the_projected_map_or_the_encoders_memory(tmp_pa
     from detectron2.data import DatasetCatalog
     from testr.data import DatasetMapperWithBasis
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import probe_features
+    sys.path.insert(0, str(REPO))
+    from training import probe_features
 
     generate("text", tmp_path / "pics", count=2, seed=5, size=(240, 320))
     register("probe_features_test", tmp_path / "pics")
@@ -409,7 +412,7 @@ def test_the_feature_probe_reads_the_projected_map_or_the_encoders_memory(tmp_pa
 
 
 def test_glyph_reading_samples_each_character_where_it_was_drawn():
-    """pretrain_glyphs.read_glyphs on a map whose channels are its own cells' pixel coordinates, spanning a padded
+    """common.read_glyphs on a map whose channels are its own cells' pixel coordinates, spanning a padded
     batch larger than the picture: the features it reads are the glyphs' centres (to the bilinear grid's accuracy),
     so a map shifted by a cell is read a cell off."""
     import sys
@@ -418,22 +421,22 @@ def test_glyph_reading_samples_each_character_where_it_was_drawn():
     from d2export.datasets.catalog import text_record
     from testr.data import DatasetMapperWithBasis
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import pretrain_glyphs
+    sys.path.insert(0, str(REPO))
+    from training import common
 
     cfg = _cfg("micro_spotter.yaml", "INPUT.MIN_SIZE_TEST", "320")
     mapper = DatasetMapperWithBasis(cfg, is_train=True)
     mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation
     record = mapper(text_record(5, 3, size=(240, 320)))  # mapped to 320 x 427: padded below to 480 x 448
-    points, _ = pretrain_glyphs.centres(record["instances"], 96, charset(96))
+    points, _ = common.centres(record["instances"], 96, charset(96))
     padded_w, padded_h, stride = 480, 448, 8
     ys, xs = torch.meshgrid(torch.arange(padded_h // stride), torch.arange(padded_w // stride), indexing="ij")
     fmap = torch.stack([(xs + 0.5) * stride, (ys + 0.5) * stride]).float()[None]  # each cell's centre, in pixels
     identity = torch.nn.Identity()
-    read, labels = pretrain_glyphs.read_glyphs(identity, fmap, (padded_w, padded_h), [record], 96, charset(96))
+    read, labels = common.read_glyphs(identity, fmap, (padded_w, padded_h), [record], 96, charset(96))
     assert len(labels) == len(points) > 0
     torch.testing.assert_close(read, points, atol=1e-3, rtol=0)
-    shifted, _ = pretrain_glyphs.read_glyphs(identity, fmap + stride, (padded_w, padded_h), [record], 96, charset(96))
+    shifted, _ = common.read_glyphs(identity, fmap + stride, (padded_w, padded_h), [record], 96, charset(96))
     assert (shifted - points).abs().min() > stride - 1e-3
 
 
@@ -448,8 +451,8 @@ def test_the_glyph_loss_trains_the_encoder_and_the_backbone_under_the_spotter(mo
     from testr.data import DatasetMapperWithBasis
     from testr.layers import ms_deform_attn
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import pretrain_glyphs
+    sys.path.insert(0, str(REPO))
+    from training import common
 
     monkeypatch.setattr(ms_deform_attn, "_C", make_stand_in("testr._C"))  # with a backward
     cfg = _cfg("micro_spotter.yaml")
@@ -459,7 +462,7 @@ def test_the_glyph_loss_trains_the_encoder_and_the_backbone_under_the_spotter(mo
         torch.manual_seed(0)
         model = _model(cfg).train()
         names = set(dict(model.named_parameters()))
-        glyphs = pretrain_glyphs.GlyphLoss(model, 2.0, where)
+        glyphs = common.GlyphLoss(model, 2.0, where)
         losses = model(batch)
         assert set(dict(model.named_parameters())) == names and float(losses["loss_glyphs"].detach()) > 0
         losses["loss_glyphs"].backward()
@@ -474,8 +477,8 @@ def test_the_glyph_loss_trains_the_encoder_and_the_backbone_under_the_spotter(mo
 
 
 def test_the_decoder_probe_reads_what_the_spotter_reads(tmp_path):
-    """tools/probe_decoder.py caches what the decoder samples and runs the decoder alone on it (its location branch on
-    one control point, unused): at the model's own references its character logits equal the whole spotter's, every
+    """training/probe_decoder.py caches what the decoder samples and runs the decoder alone on it (its location branch
+    on one control point, unused): at the model's own references its character logits equal the whole spotter's, every
     word read by one query; at the true boxes they equal the spotter's when its decoder is handed the same boxes, its
     other queries the probe's spare box (two pictures at once, a random model). Read from the projected maps
     instead, they differ."""
@@ -485,8 +488,8 @@ def test_the_decoder_probe_reads_what_the_spotter_reads(tmp_path):
     from detectron2.data import DatasetCatalog
     from testr.data import DatasetMapperWithBasis
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-    import probe_decoder
+    sys.path.insert(0, str(REPO))
+    from training import probe_decoder
 
     generate("text", tmp_path / "pics", count=2, seed=5, size=(320, 320))
     register("probe_decoder_test", tmp_path / "pics")
@@ -533,13 +536,13 @@ def test_the_decoder_probe_reads_what_the_spotter_reads(tmp_path):
 
 
 def test_glyph_pretraining_drops_its_rate_at_the_step_asked_and_resumes_there(tmp_path):
-    """tools/pretrain_glyphs.py --decay-at 3: steps 1-3 learn at --lr, steps 4 on at a tenth, also in a run that
+    """training/pretrain_glyphs.py --decay-at 3: steps 1-3 learn at --lr, steps 4 on at a tenth, also in a run that
     resumes from last.pth past the decay; every checkpoint's row and the record say so."""
     import json
     import subprocess
     import sys
 
-    script = str(Path(__file__).resolve().parent.parent / "tools" / "pretrain_glyphs.py")
+    script = str(REPO / "training" / "pretrain_glyphs.py")
     small = ["--out", str(tmp_path), "--batch", "1", "--eval-every", "2", "--eval-count", "2", "--size", "128x160",
              "--threads", "1", "--lr", "2e-3", "--decay-at", "3"]
     for steps in ("4", "6"):
@@ -553,7 +556,7 @@ def test_glyph_pretraining_drops_its_rate_at_the_step_asked_and_resumes_there(tm
 
 
 def test_the_decoder_stage_writes_a_fixture_whose_detection_is_its_inits(tmp_path):
-    """tools/probe_decoder.py --fixture, the recipe's last stage: from given weights, two steps at their own
+    """training/probe_decoder.py --fixture, the recipe's last stage: from given weights, two steps at their own
     references move the text branch and nothing else (detection is exactly --init's), then the float16 weights are
     scored on another seed and written with a record that keeps --init's sha256 and the test size it was scored at.
     A run that --minutes cuts short of --steps writes none."""
@@ -570,7 +573,7 @@ def test_the_decoder_stage_writes_a_fixture_whose_detection_is_its_inits(tmp_pat
     init = tmp_path / "init.pth"
     save_weights_fp16(init, _model(_cfg("micro_spotter.yaml", *overrides)))
     fixture = tmp_path / "fixture" / "spotter.pth"
-    command = [sys.executable, str(repo / "tools" / "probe_decoder.py"), "--init", str(init), "--out",
+    command = [sys.executable, str(repo / "training" / "probe_decoder.py"), "--init", str(init), "--out",
                str(tmp_path / "out"), "--data", str(tmp_path / "train"), "--count", "2", "--validation",
                str(tmp_path / "validation"), "--validation-count", "2", "--references", "own", "--steps", "2",
                "--lr", "1e-3", "--decay-at", "1", "--eval-every", "1", "--batch", "2", "--fixture", str(fixture),
@@ -584,7 +587,7 @@ def test_the_decoder_stage_writes_a_fixture_whose_detection_is_its_inits(tmp_pat
     assert record["sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest()
     assert record["init"]["sha256"] == hashlib.sha256(init.read_bytes()).hexdigest()
     assert record["held_out"]["seed"] == 5 and "det_hmean" in record["held_out"] and record["iterations"] == 2
-    assert record["command"].startswith("python tools/probe_decoder.py") and "--fixture" in record["command"]
+    assert record["command"].startswith("python training/probe_decoder.py") and "--fixture" in record["command"]
     assert [row["lr"] for row in record["curve"]] == pytest.approx([1e-3, 1e-3, 1e-4])  # the second step ran at a tenth
     before = torch.load(init, weights_only=False)["model"]
     after = torch.load(fixture, weights_only=False)["model"]

@@ -220,18 +220,24 @@ def test_targets_keep_the_characters_a_model_with_fewer_text_queries_reads():
     assert torch.equal(target["texts"], batch[0]["instances"].text[:, :8])
 
 
+# The scripts' tiny pictures (--size 128x160) read at their own size: micro.yaml's sizes would scale them up to 288-352
+# first, six times the pixels, for a test of the script's plumbing
+AT_THEIR_SIZE = ["INPUT.MIN_SIZE_TRAIN", "(128,)", "INPUT.MAX_SIZE_TRAIN", "160", "INPUT.MIN_SIZE_TEST", "128",
+                 "INPUT.MAX_SIZE_TEST", "160"]
+
+
 def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
-    """tools/train_spotter.py stopped after 2 steps and run again goes on at step 3 with the warm-up's learning rate
+    """training/train_spotter.py stopped after 2 steps and run again goes on at step 3 with the warm-up's learning rate
     of step 3 (detectron2's linear warm-up from WARMUP_FACTOR over WARMUP_ITERS, computed here by hand)."""
     import json
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parent.parent
-    small = ["--train-count", "2", "--eval-count", "1", "--eval-every", "100", "--size", "128x160",
+    small = ["--train-count", "2", "--eval-count", "1", "--eval-every", "100", "--size", "128x160", *AT_THEIR_SIZE,
              "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1"]
     for iters in ("2", "3"):
-        subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--out", str(tmp_path), "--iters",
+        subprocess.run([sys.executable, str(repo / "training" / "train_spotter.py"), "--out", str(tmp_path), "--iters",
                         iters, *small], check=True, capture_output=True, timeout=300)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["total"]) for r in rows)
@@ -245,7 +251,7 @@ def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
 
     # done: --fixture trains no further, scores the float16 weights on another seed and writes them with a record
     fixture = tmp_path / "fixture" / "spotter.pth"
-    subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--out", str(tmp_path), "--iters", "3",
+    subprocess.run([sys.executable, str(repo / "training" / "train_spotter.py"), "--out", str(tmp_path), "--iters", "3",
                     "--fixture", str(fixture), "--final-count", "2", "--final-seed", "5", *small], check=True,
                    capture_output=True, timeout=300)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
@@ -265,7 +271,7 @@ def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
     warm = tmp_path / "warm"
     start = torch.load(fixture, weights_only=False)["model"]
     first_sha = record["sha256"]
-    subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--out", str(warm), "--iters", "1",
+    subprocess.run([sys.executable, str(repo / "training" / "train_spotter.py"), "--out", str(warm), "--iters", "1",
                     "--seed", "1", "--init", str(fixture), "--fixture", str(fixture), "--final-count", "2",
                     "--final-seed", "5", *small], check=True, capture_output=True, timeout=300)
     after = torch.load(warm / "model_000001_fp16.pth", weights_only=False)["model"]
@@ -279,19 +285,17 @@ def test_the_script_resumes_at_its_iteration_and_learning_rate(tmp_path):
 
 
 def test_the_evaluation_reports_every_swept_threshold_from_one_run():
-    """tools/train_spotter.py's evaluate: a model with its own threshold at 0.3 finds the picture's two words (0.9,
-    0.5) and a stray (0.4). By hand: at 0.3 precision 2/3, recall 1, H-mean 80; from 0.45 on, the stray is gone
-    (H-mean 100); from 0.55 on, one word is lost (precision 1, recall 1/2: H-mean 66.67). The model runs once, at the
-    lowest threshold, and keeps its own afterwards."""
-    import importlib.util
+    """training/common.py's evaluate: a model with its own threshold at 0.3 finds the picture's two words (0.9, 0.5)
+    and a stray (0.4). By hand: at 0.3 precision 2/3, recall 1, H-mean 80; from 0.45 on, the stray is gone (H-mean
+    100); from 0.55 on, one word is lost (precision 1, recall 1/2: H-mean 66.67). The model runs once, at the lowest
+    threshold, and keeps its own afterwards."""
+    import sys
 
     from detectron2.data import DatasetCatalog
     from detectron2.structures import Instances
 
-    spec = importlib.util.spec_from_file_location(
-        "train_spotter", Path(__file__).resolve().parent.parent / "tools" / "train_spotter.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # training/: the fixtures' workshop
+    from training import common
 
     def square(x, y, side=40):
         return [x, y, x + side, y, x + side, y + side, x, y + side]
@@ -310,34 +314,13 @@ def test_the_evaluation_reports_every_swept_threshold_from_one_run():
 
     model = Model()
     try:
-        own, sweep = script.evaluate(model, DatasetCatalog.get("sweep_case"), lambda r: r, "sweep_case", {})
+        own, sweep = common.evaluate(model, DatasetCatalog.get("sweep_case"), lambda r: r, "sweep_case", {})
     finally:
         DatasetCatalog.remove("sweep_case")
     assert own["det_precision"] == pytest.approx(200 / 3) and own["det_recall"] == 100
     assert sweep == pytest.approx({"0.2": 80, "0.25": 80, "0.3": 80, "0.35": 80, "0.4": 80, "0.45": 100, "0.5": 100,
                                    "0.55": 200 / 3, "0.6": 200 / 3})
-    assert model.calls == [min(script.SWEEP)] and model.test_score_threshold == 0.3 and model.training
-
-
-def test_the_probe_reports_where_matched_references_lie(tmp_path):
-    """tools/probe_spotter.py on four tiny pictures: with the words' true boxes as references, every matched query
-    of a picture's first n sits on its word; its figures are fractions of the words matched."""
-    import json
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, str(repo / "tools" / "probe_spotter.py"), "--out", str(tmp_path),
-                           "--data", str(tmp_path / "data"), "--count", "4", "--size", "128x160", "--minutes", "5",
-                           "--steps", "1",
-                           "--true-refs", "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1",
-                           "MODEL.TRANSFORMER.LOSS.POINT_REF_WEIGHT", "1000.0"], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["steps"] == 1  # a fixed count: how many steps fit in a time depends on the machine
-    # the true boxes are the references and the reference cost dominates the matching: each word gets its own box
-    assert result["reference_centre_in_word"] == 1.0 and result["reference_iou_mean"] > 0.99
+    assert model.calls == [min(common.SWEEP)] and model.test_score_threshold == 0.3 and model.training
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: --device cuda trains instead of refusing")
@@ -349,15 +332,15 @@ def test_train_spotter_refuses_a_device_torch_does_not_see():
     repo = Path(__file__).resolve().parent.parent
     for device, says in (("cuda", "--device cuda: torch .* sees 0 CUDA device"),
                          ("gpu", "--device gpu: choose cpu, auto, cuda or cuda:N")):
-        done = subprocess.run([sys.executable, str(repo / "tools" / "train_spotter.py"), "--device", device, "--out",
+        done = subprocess.run([sys.executable, str(repo / "training" / "train_spotter.py"), "--device", device, "--out",
                                "/nonexistent/never_made"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and re.search(says, done.stderr), done.stderr
 
 
 def test_the_glyph_loss_resumes_with_its_classifier_and_a_run_without_it_is_refused(tmp_path):
-    """tools/train_spotter.py --glyph-weight logs the glyph loss every step, keeps its classifier in last.pth and goes
-    on from it; resuming such a run without the flag (its optimizer holds the classifier's group) is refused in one
-    line, and the float16 weights have no classifier (what serves has none)."""
+    """training/train_spotter.py --glyph-weight logs the glyph loss every step, keeps its classifier in last.pth and
+    goes on from it; resuming such a run without the flag (its optimizer holds the classifier's group) is refused in
+    one line, and the float16 weights have no classifier (what serves has none)."""
     import json
     import subprocess
     import sys
@@ -367,7 +350,7 @@ def test_the_glyph_loss_resumes_with_its_classifier_and_a_run_without_it_is_refu
     repo = Path(__file__).resolve().parent.parent
     small = ["--out", str(tmp_path), "--train-count", "2", "--eval-count", "1", "--eval-every", "100", "--size",
              "128x160", "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1"]
-    script = str(repo / "tools" / "train_spotter.py")
+    script = str(repo / "training" / "train_spotter.py")
     for iters in ("1", "2"):
         subprocess.run([sys.executable, script, "--iters", iters, "--glyph-weight", "1", *small], check=True,
                        capture_output=True, timeout=300)
@@ -382,15 +365,15 @@ def test_the_glyph_loss_resumes_with_its_classifier_and_a_run_without_it_is_refu
 
 
 def test_training_the_text_branch_alone_leaves_detection_as_it_was(tmp_path):
-    """tools/train_spotter.py --train text: from given weights, two steps move the text branch's parameters and not
+    """training/train_spotter.py --train text: from given weights, two steps move the text branch's parameters and not
     one number of the rest (weights and BatchNorm statistics: detection is exactly --init's); resuming such a run as
     a whole-model one is refused in one line, and the glyph loss (it trains the features) is refused with it."""
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parent.parent
-    script = str(repo / "tools" / "train_spotter.py")
-    small = ["--train-count", "2", "--eval-count", "1", "--eval-every", "100", "--size", "128x160",
+    script = str(repo / "training" / "train_spotter.py")
+    small = ["--train-count", "2", "--eval-count", "1", "--eval-every", "100", "--size", "128x160", *AT_THEIR_SIZE,
              "SOLVER.WARMUP_FACTOR", "1.0", "MODEL.TRANSFORMER.ENC_LAYERS", "1", "MODEL.TRANSFORMER.DEC_LAYERS", "1"]
     start = tmp_path / "start"
     subprocess.run([sys.executable, script, "--out", str(start), "--iters", "1", *small], check=True,

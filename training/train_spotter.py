@@ -1,12 +1,13 @@
-"""Train the TESTR stand-in (third_party/testr) on `d2export synth text`, on the CPU (or a GPU: --device cuda).
+"""Train the TESTR stand-in (third_party/testr) on `d2export synth text`, on the CPU (or a GPU: --device cuda): steps
+2 and 4 of the micro spotter's recipe (docs/training.md).
 
 The model code is the user's: d2export only provides the compiled attention op TESTR imports (its import hook, with
 a backward), as it does for export. Seeded; resumable (run it again with the same --out: it goes on from
 last.pth); a progress bar with the losses; every --eval-every iterations d2export's text evaluator (detection and
 end-to-end H-mean) on the evaluation pictures; float16 weight snapshots of a few MB.
 
-    python tools/train_spotter.py --out outputs/spotter_overfit --train-count 32 --eval-on train --iters 400
-    python tools/train_spotter.py --out outputs/spotter --minutes 75
+    python training/train_spotter.py --out outputs/spotter_overfit --train-count 32 --eval-on train --iters 400
+    python training/train_spotter.py --out outputs/spotter --minutes 75
 
 By default the training pictures are an endless stream drawn on the fly by --workers processes (picture i of the
 stream is picture i of `d2export synth text --seed 0`; nothing is seen twice); --train-count N trains on a fixed
@@ -19,7 +20,6 @@ With --fixture, a run that has reached --iters scores its float16 weights (run i
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import sys
@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "third_party")]
+from training.common import GlyphLoss, evaluate, init_lineage, publish, reading, spotter_cfg  # noqa: E402
 
 
 def batches(records, mapper, size, seed, start):
@@ -41,73 +42,6 @@ def batches(records, mapper, size, seed, start):
         if step >= start:
             yield [mapper(records[i]) for i in picked]
         step += 1
-
-
-# Score thresholds the evaluation also reports the detection H-mean at: upstream's evaluation scripts tune
-# INFERENCE_TH_TEST on the evaluated set, so its figures are at the best of such a sweep.
-SWEEP = (0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6)
-
-
-def spotter_cfg(config: str, overrides: list[str], threads: int, seed: int = 0):
-    """The TESTR stand-in as every spotter tool runs it: TESTR's CUDA op stood in for (on any device, with a
-    backward), `threads` CPU threads, torch seeded, the model registered; returns `config` with `overrides`."""
-    import torch
-
-    from d2export.patching import compiled_ops
-
-    compiled_ops.install(["testr._C"])
-    torch.set_num_threads(threads)
-    torch.manual_seed(seed)
-    import testr  # noqa: F401 - registers TransformerDetector
-    from testr.config import get_cfg
-
-    cfg = get_cfg()
-    cfg.merge_from_file(config)
-    cfg.merge_from_list(overrides)
-    return cfg
-
-
-def cpu_spotter(config: str, overrides: list[str], threads: int, weights: str | Path):
-    """The probes' model: `config` as `spotter_cfg` makes it, on the CPU, with `weights`; returns (cfg, model)."""
-    cfg = spotter_cfg(config, overrides, threads)  # first: it stands in for testr's compiled op before testr loads
-    cfg.MODEL.DEVICE = "cpu"
-    from detectron2.modeling import build_model
-    from testr.train import load_checkpoint
-
-    model = build_model(cfg)
-    load_checkpoint(Path(weights), model)
-    return cfg, model
-
-
-def reading(cfg) -> dict:
-    """How the evaluator reads the model's character slots (a manifest's `charset` and `text_decoding`)."""
-    from d2export.charset import charset
-
-    t = cfg.MODEL.TRANSFORMER
-    return {"charset": "".join(charset(int(t.VOC_SIZE))), "text_decoding": "ctc" if t.TEXT_CTC else "slots"}
-
-
-def evaluate(model, records, mapper_test, name, post):
-    """The text evaluator's figures at the model's own score threshold, and the detection H-mean at each threshold
-    of SWEEP ({threshold: H-mean}): the model runs once at the lowest, its detections filtered for the others."""
-    import torch
-
-    from d2export.evaluating.evaluators import TextSpottingEvaluator
-
-    own = float(model.test_score_threshold)
-    thresholds = sorted({own, *SWEEP})
-    evaluator = TextSpottingEvaluator(name, post, thresholds)
-    model.eval()
-    model.test_score_threshold = thresholds[0]
-    try:
-        with torch.no_grad():
-            for r in records:
-                evaluator.process([r], model([mapper_test(r)]))
-    finally:
-        model.test_score_threshold = own
-        model.train()
-    figures = evaluator.evaluate()["text_by_threshold"]
-    return figures[own], {f"{t:g}": f["det_hmean"] for t, f in figures.items()}
 
 
 def main(argv=None) -> int:
@@ -136,7 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--final-count", type=int, default=200, help="held-out pictures --fixture scores")
     ap.add_argument("--glyph-weight", type=float, default=0.0,
                     help="a linear classifier reads each glyph from the encoder's memory while the spotter trains, its "
-                         "loss at this weight (tools/pretrain_glyphs.py's GlyphLoss; 0: none)")
+                         "loss at this weight (training/common.py's GlyphLoss; 0: none)")
     ap.add_argument("--train", choices=["all", "text"], default="all",
                     help="text: only the text branch learns (its decoder layers, character classifier and slot "
                          "embeddings) on what the rest, frozen and in eval mode, sees; detection stays exactly as "
@@ -146,12 +80,16 @@ def main(argv=None) -> int:
                     "stand-in runs there with its backward")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs as detectron2 takes them")
     args = ap.parse_args(argv)
+    # what is refused is refused before the model, the pictures or detectron2 are loaded
+    if args.train == "text" and args.glyph_weight:
+        ap.error("--glyph-weight trains the features, which --train text keeps as they are")
+    if args.eval_on == "train" and not args.train_count:
+        ap.error("--eval-on train needs a fixed set: give --train-count")
 
     import numpy as np
     import torch
     from tqdm import tqdm
 
-    cfg = spotter_cfg(args.config, args.overrides, args.threads, args.seed)
     if args.device != "cpu":
         from d2export.building import UserError, resolve_device
         from d2export.config import DEVICE_NAMES
@@ -162,6 +100,18 @@ def main(argv=None) -> int:
             args.device = resolve_device(args.device, option="--device ")
         except UserError as e:
             ap.error(str(e))
+    out = Path(args.out)
+    last = out / "last.pth"
+    # memory-mapped: only its keys and the classifier are read here; load_checkpoint reads the rest
+    state = torch.load(last, map_location="cpu", weights_only=False, mmap=True) if last.is_file() else {}
+    if state and bool(args.glyph_weight) != ("glyph_head" in state):  # its optimizer has (or lacks) that group
+        ap.error(f"{last} was trained {'without' if args.glyph_weight else 'with'} --glyph-weight: resume it the "
+                 "same way or start a new --out")
+    if state and state.get("train", "all") != args.train:  # its optimizer holds other parameters
+        ap.error(f"{last} was trained with --train {state.get('train', 'all')}: resume it the same way or start a "
+                 "new --out")
+
+    cfg = spotter_cfg(args.config, args.overrides, args.threads, args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)  # detectron2's augmentations (the training sizes) draw from numpy's global generator
     from detectron2.modeling import build_model
@@ -173,13 +123,10 @@ def main(argv=None) -> int:
     from d2export.datasets.synth import parse_size
 
     cfg.MODEL.DEVICE = args.device
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     size = parse_size(args.size)
     sets = {"train": ("synth_text_train", 0, args.train_count),
             "held_out": ("synth_text_held_out", args.eval_seed, args.eval_count)}
-    if args.eval_on == "train" and not args.train_count:
-        ap.error("--eval-on train needs a fixed set: give --train-count")
     for key, (name, seed, count) in sets.items():
         if not count:
             continue
@@ -194,25 +141,12 @@ def main(argv=None) -> int:
 
     model = build_model(cfg)
     if args.train == "text":
-        if args.glyph_weight:
-            ap.error("--glyph-weight trains the features, which --train text keeps as they are")
         text_only(model)
     optimizer = build_optimizer(cfg, model)
     glyphs = None
     if args.glyph_weight:
-        from pretrain_glyphs import GlyphLoss
-
         glyphs = GlyphLoss(model, args.glyph_weight)
         glyphs.join(optimizer, cfg)
-    last = out / "last.pth"
-    # memory-mapped: only its keys and the classifier are read here; load_checkpoint reads the rest
-    state = torch.load(last, map_location="cpu", weights_only=False, mmap=True) if last.is_file() else {}
-    if state and bool(glyphs) != ("glyph_head" in state):  # its optimizer has (or lacks) the classifier's group
-        ap.error(f"{last} was trained {'without' if glyphs else 'with'} --glyph-weight: resume it the same way "
-                 "or start a new --out")
-    if state and state.get("train", "all") != args.train:  # its optimizer holds other parameters
-        ap.error(f"{last} was trained with --train {state.get('train', 'all')}: resume it the same way or start a "
-                 "new --out")
     start = load_checkpoint(last, model, optimizer) if state else 0
     if glyphs and start:
         glyphs.head.load_state_dict(state["glyph_head"])
@@ -287,7 +221,8 @@ def main(argv=None) -> int:
                     "iterations": args.iters, "seed": args.seed, "trained": args.train,
                     "train": {"count": args.train_count or "stream", "seed": 0, "size": args.size},
                     "validation": {"count": args.eval_count, "seed": args.eval_seed, "size": args.size},
-                    "command": "python tools/train_spotter.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "command": "python training/train_spotter.py "
+                               + " ".join(argv if argv is not None else sys.argv[1:]),
                     "train_seconds": round(rows[-1]["seconds"]) if rows else 0, "curve": curve,
                     **({"init": lineage} if lineage else {})})
     return 0
@@ -309,62 +244,6 @@ def text_only(model) -> None:
             norm.eval()
 
     model.register_forward_pre_hook(frozen_norms)
-
-
-def decayed(lr: float, step: int, decay_at: int) -> float:
-    """The rate of a step under `--decay-at`: a tenth of `lr` from step `decay_at` on (0: constant). The last steps at
-    a tenth settle what a constant rate stirs (pretrain_glyphs, probe_decoder)."""
-    return lr * (0.1 if decay_at and step >= decay_at else 1.0)
-
-
-def init_lineage(path: Path) -> dict:
-    """What a warm-started run began from: the weights' sha256 and, where one lies beside them, their record (so a
-    fixture trained over several runs keeps every run's command, machine, time and curve)."""
-    record = path.with_suffix(".json")
-    return {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-            **({"record": json.loads(record.read_text())} if record.is_file() else {})}
-
-
-def machine() -> str:
-    import torch
-
-    from d2export.cpu import describe_cpu
-
-    gpu = f"; {torch.cuda.get_device_name()}" if torch.cuda.is_initialized() else ""
-    return f"{describe_cpu()}; torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}"
-
-
-def publish(model, cfg, snapshot: Path, path: Path, folder: Path, seed: int, count: int, size: str,
-            record: dict) -> None:
-    """A finished run's float16 `snapshot`, run in float32 as it ships, scored on `count` pictures of `seed` (a seed
-    neither trained nor tuned on, drawn into `folder`), then copied to `path` with its record beside it: `record`
-    (the command, the run's curve and training time, ...) and the held-out scores, the machine, sha256 and size."""
-    import shutil
-
-    from detectron2.data import DatasetCatalog
-    from testr.data import DatasetMapperWithBasis
-    from testr.train import load_checkpoint
-
-    from d2export.datasets import generate, register
-    from d2export.datasets.synth import parse_size
-
-    if not (folder / "annotations.json").is_file():
-        generate("text", folder, count=count, seed=seed, size=parse_size(size))
-    register("synth_text_final", folder)
-    load_checkpoint(snapshot, model)  # float16 values into the float32 model: what the fixture ships
-    held_out, sweep = evaluate(model, DatasetCatalog.get("synth_text_final"), DatasetMapperWithBasis(cfg, False),
-                               "synth_text_final", reading(cfg))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    shutil.copyfile(snapshot, tmp)
-    tmp.replace(path)
-    read_at = {"min_size": cfg.INPUT.MIN_SIZE_TEST, "max_size": cfg.INPUT.MAX_SIZE_TEST}  # what the scores depend on
-    record = {**record, "held_out": {"count": count, "seed": seed, "size": size, "read_at": read_at, **held_out,
-                                     "det_hmean_by_threshold": sweep},
-              "machine": machine(), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
-              "bytes": path.stat().st_size}
-    path.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in record.items() if k != "curve"}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,24 +1,24 @@
-"""Can the spotter's text decoder learn to read from its features, given the steps a CPU cannot give end to end?
+"""Train the spotter's text branch alone on cached features: steps 3 and 5 of the micro spotter's recipe
+(docs/training.md, `--references own --fixture`), and a probe of whether its decoder can learn to read at all
+(`--references true`).
 
 The backbone and the encoder run once over a fixed set of pictures (at the test size) and what the decoder samples
 is kept (`--source memory`: the encoder's output; `projected`: its input, the projected maps); then only the decoder
-and the character classifier train on it, each word's query at its true box (`--references true`) — a step costs
-a small part of a spotter step, so thousands of steps fit in minutes. Every `--eval-every` steps the words of the
-training pictures and of validation pictures (seed 2) are read and scored as the text evaluator scores matched
-words (character accuracy: 1 - edits / length; words read: equal ignoring case).
-
-If the decoder reads well here, the end-to-end spotter lacks steps (a GPU gives them); if it stays near what a linear
-classifier at the glyphs' centres reads (`probe_features.py`), the features are the limit; if below, where the
-character slots look is.
+and the character classifier train on it — a step costs a small part of a spotter step, so thousands of steps fit
+in minutes. Every `--eval-every` steps the words of the training pictures and of validation pictures (seed 2) are
+read and scored as the text evaluator scores matched words (character accuracy: 1 - edits / length; words read:
+equal ignoring case).
 
 `--references own` reads as the spotter does: at the model's own references (its encoder's top proposals), each word
-by the query the training matcher gives it, every query present. Only the text branch learns then (the location
+by the query the training matcher gives it, every query present. Only the text branch learns (the location
 branch's output is not used), so detection is left exactly as it was; `--eval-count` ends with the whole spotter
-through the text evaluator on validation pictures and saves its weights.
+through the text evaluator on validation pictures and saves its weights; `--fixture` writes them with their record.
+`--references true` puts each word's query at its true box instead: if the decoder reads well there, the spotter
+lacks steps or its references are off; if not, its features are the limit.
 
-    python tools/probe_decoder.py --init outputs/probe57/W_glyph_loss/model.pth --out outputs/decoder/own \\
-        --data outputs/decoder/data2000 --count 2000 --cache outputs/decoder/cache.pt --references own --lr 1e-3 \\
-        --minutes 25 --threads 2 --eval-count 100 MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True
+    python training/probe_decoder.py --init outputs/spotter/fixture.pth --out outputs/decoder \
+        --data outputs/decoder/data --count 20000 --cache outputs/decoder/cache.pt --references own --lr 1e-3 \
+        --steps 16000 --decay-at 12800 --minutes 75 --threads 2 --fixture outputs/decoder/spotter_fixture.pth
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
+sys.path[:0] = [str(REPO), str(REPO / "third_party")]
+from training.common import cpu_spotter, decayed, evaluate, init_lineage, publish, reading  # noqa: E402
 
 
 def cache(model, mapper, records, keep=("memory", "projected"), half: bool = True) -> dict:
@@ -188,14 +189,13 @@ def main(argv=None) -> int:
                     help="at the end, the whole spotter (its text branch as trained here) through the text evaluator on"
                          " this many pictures of --validation, and its weights saved (model.pth)")
     ap.add_argument("--fixture", default="", help="at the end, the float16 weights written here with their record (as"
-                    " train_spotter.py --fixture writes it), scored on --final-count pictures of --final-seed")
+                    " training/train_spotter.py --fixture writes it), scored on --final-count pictures of --final-seed")
     ap.add_argument("--final-seed", type=int, default=1, help="seed of the held-out pictures --fixture scores")
     ap.add_argument("--final-count", type=int, default=200, help="held-out pictures --fixture scores")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
 
     import torch
-    from train_spotter import cpu_spotter, decayed, reading
 
     cfg, model = cpu_spotter(args.config, args.overrides, args.threads, args.init)
     from detectron2.data import DatasetCatalog
@@ -279,7 +279,6 @@ def main(argv=None) -> int:
               "batch": args.batch, "steps": step, "overrides": args.overrides, "first": rows[0], "last": rows[-1]}
     if args.eval_count:  # the whole spotter: its detections, and what their queries read
         from testr.train import save_checkpoint
-        from train_spotter import evaluate
 
         save_checkpoint(out / "model.pth", model, iteration=step)
         result["spotter"], result["sweep"] = evaluate(
@@ -293,7 +292,6 @@ def main(argv=None) -> int:
         return 1
     if args.fixture:  # detection is --init's, reading is this run's: the last stage of the recipe
         from testr.train import save_weights_fp16
-        from train_spotter import init_lineage, publish
 
         snapshot = out / "model_fp16.pth"
         save_weights_fp16(snapshot, model, step)
@@ -305,7 +303,8 @@ def main(argv=None) -> int:
                     "train": {"count": args.count, "seed": 0, "size": "320x320", "batch": args.batch, "lr": args.lr,
                               "decay_at": args.decay_at},
                     "validation": {"count": counts["validation"], "seed": 2, "size": "320x320"},
-                    "command": "python tools/probe_decoder.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "command": "python training/probe_decoder.py "
+                               + " ".join(argv if argv is not None else sys.argv[1:]),
                     "train_seconds": rows[-1]["seconds"], "curve": rows, "init": init_lineage(Path(args.init))})
     return 0
 

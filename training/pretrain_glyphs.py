@@ -1,19 +1,20 @@
-"""Teach the spotter's backbone characters before it learns to spot: what ImageNet and SynthText pretraining give
-upstream TESTR, done on the synthetic stream in minutes.
+"""Teach the spotter's backbone characters before it learns to spot (step 1 of the micro spotter's recipe,
+docs/training.md): what ImageNet and SynthText pretraining give upstream TESTR, done on the synthetic stream in
+minutes.
 
 A linear classifier reads the stride-8 map (res3, the level the text queries sample finest) at each character's
 centre — the exact centre where the renderer placed its glyph (`glyph_centres`), not an even share of the word —
 and the stem, res2 and res3 train under it. Only those three stages run, so a step costs a fraction of a spotter
 step and labels every character of its pictures. The result is the whole model's float16 weights with the new
-backbone (everything else as --init had it), ready for `train_spotter.py --init`.
+backbone (everything else as --init had it), ready for `training/train_spotter.py --init`.
 
-    python tools/pretrain_glyphs.py --init tests/data/spotter_fixture.pth --out outputs/glyphs --minutes 25
-    python tools/pretrain_glyphs.py --device cuda --workers 12 --batch 32 --out outputs/glyphs_gpu --minutes 10
+    python training/pretrain_glyphs.py --init tests/data/spotter_fixture.pth --out outputs/glyphs --minutes 25
+    python training/pretrain_glyphs.py --device cuda --workers 12 --batch 32 --out outputs/glyphs_gpu --minutes 10
 
 Every --eval-every steps the classifier is scored on --eval-count pictures of --eval-seed (validation: 2); the
 curve (metrics.jsonl, and model.json beside the weights with the command, the machine and what --init was, which
-`train_spotter.py --init` keeps in its own record) holds the loss and that accuracy; the run's last step is scored
-and saved too. Run again with the same --out to go on from last.pth.
+`training/train_spotter.py --init` keeps in its own record) holds the loss and that accuracy; the run's last step is
+scored and saved too. Run again with the same --out to go on from last.pth.
 """
 from __future__ import annotations
 
@@ -25,105 +26,8 @@ from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
-
-
-def word_points(bezier_pts, rec, voc_size: int, chars: list[str]):
-    """One word's character centres (pixels, [n, 2]) and class ids from its Bezier band and transcription ids; None
-    and [] for a word without characters or with one the character set cannot name."""
-    from d2export.charset import decode
-    from d2export.datasets.text import glyph_points
-
-    ids = [c for c in rec if c < voc_size]
-    word = decode(ids, chars)
-    if not ids or len(word) != len(ids):
-        return None, []
-    return glyph_points(bezier_pts, word), ids
-
-
-def centres(instances, voc_size: int, chars: list[str]):
-    """The mapped picture's character centres (pixels, [n, 2]) and their class ids [n] from its instances' Bezier
-    bands and transcriptions."""
-    import numpy as np
-    import torch
-
-    points, ids = [], []
-    for bezier, text in zip(instances.beziers.numpy(), instances.text.tolist()):
-        found, known = word_points(bezier, text, voc_size, chars)
-        if known:
-            points.append(found)
-            ids += known
-    if not ids:
-        return torch.zeros(0, 2), torch.zeros(0, dtype=torch.long)
-    return torch.as_tensor(np.concatenate(points), dtype=torch.float32), torch.as_tensor(ids)
-
-
-def read_glyphs(head, fmap, padded_wh, batch, voc_size: int, chars: list[str]):
-    """`head`'s logits [n, voc_size] on `fmap` (B, C, h, w: a map spanning the padded pictures, `padded_wh` pixels)
-    at every character centre of `batch` (mapped records), and their labels [n]."""
-    import torch
-    import torch.nn.functional as F
-
-    scale = fmap.new_tensor([float(padded_wh[0]), float(padded_wh[1])])
-    logits, labels = [], []
-    for b, record in enumerate(batch):
-        points, ids = centres(record["instances"], voc_size, chars)
-        if not len(ids):
-            continue
-        grid = points.to(fmap.device) / scale * 2 - 1  # align_corners=False: the map spans the padded picture's edges
-        sampled = F.grid_sample(fmap[b:b + 1], grid[None, None].to(fmap.dtype), align_corners=False)[0, :, 0].T
-        logits.append(head(sampled))
-        labels.append(ids.to(fmap.device))
-    if not logits:
-        return fmap.new_zeros(0, voc_size), torch.zeros(0, dtype=torch.long, device=fmap.device)
-    return torch.cat(logits), torch.cat(labels)
-
-
-class GlyphLoss:
-    """Keeps the spotter's features reading characters while it trains: a linear classifier (`head`, whose parameters
-    the caller adds to its optimizer) reads each character at its glyph's centre from the finest level of the
-    encoder's memory (`where="memory"`: what the text queries sample) or of the projected maps, and its cross-entropy
-    times `weight` joins the training losses as "loss_glyphs". Measured: 1,017 spotter steps from pretrained weights
-    without it took a linear probe of the memory from 30.1% to 23.9% of characters, of the projected map from 49.3% to
-    41.6% — the spotter's own losses wear the characters out of its features."""
-
-    def __init__(self, model, weight: float, where: str = "memory"):
-        import torch
-
-        from d2export.charset import charset
-
-        self.voc_size = int(model.testr.voc_size)
-        self.chars = charset(self.voc_size)
-        proj = model.testr.input_proj
-        self.head = torch.nn.Linear(proj[0][0].out_channels, self.voc_size).to(model.device)
-        seen = {}
-        self.hooks = [
-            model.testr.backbone.register_forward_pre_hook(lambda m, a: seen.__setitem__("padded", a[0].tensor.shape)),
-            proj[0].register_forward_hook(lambda m, i, o: seen.__setitem__("map", o)),
-            model.testr.transformer.encoder.register_forward_hook(lambda m, i, o: seen.__setitem__("memory", o))]
-        forward = model.forward
-
-        def with_glyphs(batched_inputs):
-            losses = forward(batched_inputs)
-            if model.training:
-                fmap = seen["map"]
-                if where == "memory":  # [B, tokens, C], the levels flattened one after the other, the finest first
-                    b, c, h, w = fmap.shape
-                    fmap = seen["memory"][:, :h * w].transpose(1, 2).reshape(b, c, h, w)
-                padded_h, padded_w = seen["padded"][-2:]
-                logits, labels = read_glyphs(self.head, fmap, (padded_w, padded_h), batched_inputs, self.voc_size,
-                                             self.chars)
-                loss = torch.nn.functional.cross_entropy(logits, labels) if len(labels) else fmap.sum() * 0
-                losses["loss_glyphs"] = loss * weight
-            return losses
-
-        model.forward = with_glyphs
-
-    def join(self, optimizer, cfg) -> None:
-        """The classifier learns at the spotter's base rate (add it before the schedule is built: it scales every
-        group)."""
-        optimizer.add_param_group({"params": list(self.head.parameters()), "lr": cfg.SOLVER.BASE_LR,
-                                   "weight_decay": cfg.SOLVER.WEIGHT_DECAY})
+sys.path[:0] = [str(REPO), str(REPO / "third_party")]
+from training.common import decayed, init_lineage, machine, read_glyphs, spotter_cfg  # noqa: E402
 
 
 class GlyphReader:
@@ -198,7 +102,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from train_spotter import decayed, init_lineage, machine, spotter_cfg
 
     cfg = spotter_cfg(args.config, args.overrides, args.threads)
     from detectron2.modeling import build_model
@@ -240,7 +143,7 @@ def main(argv=None) -> int:
     test_mapper.augmentation = DatasetMapperWithBasis(cfg, is_train=False).augmentation  # ... at the test size
     batches = stream(partial(text_record, 0, size=size), DatasetMapperWithBasis(cfg, is_train=True), args.batch,
                      seed=0, start=step, workers=args.workers)
-    record = {"made_by": "tools/pretrain_glyphs.py", "command": " ".join(sys.argv), "machine": machine(),
+    record = {"made_by": "training/pretrain_glyphs.py", "command": " ".join(sys.argv), "machine": machine(),
               "train": {"seed": 0, "size": args.size, "batch": args.batch, "lr": args.lr, "decay_at": args.decay_at},
               "validation": {"seed": args.eval_seed, "count": args.eval_count},
               **({"init": init_lineage(Path(args.init))} if args.init else {})}

@@ -3,8 +3,8 @@ detectron2's own trainer, on the CPU. Seeded; resumable (run it again: it goes o
 detectron2's trainer logs the losses every 20 iterations. At the end it scores the held-out set with COCOEvaluator
 and writes the fixture: float16 weights (detectron2's checkpointer restores float32 on load) and their record.
 
-    python tools/train_box_fixture.py --out outputs/box_fixture --iters 6000 --bf16  # 44 minutes on 2 AMX Xeon cores
-    python tools/train_box_fixture.py --out outputs/box_fixture --iters 40  # a smoke run
+    python training/train_box_fixture.py --out outputs/box_fixture --iters 6000 --bf16  # 44 minutes on 2 AMX Xeon cores
+    python training/train_box_fixture.py --out outputs/box_fixture --iters 40  # a smoke run
 """
 from __future__ import annotations
 
@@ -139,13 +139,13 @@ def main(argv=None) -> int:
               "train": {"count": args.train_count, "seed": TRAIN[1], "size": args.size},
               "held_out": {"count": args.held_out_count, "seed": HELD_OUT[1], "size": args.size},
               "bbox": results["bbox"], "train_seconds": round(seconds),
-              "command": "python tools/train_box_fixture.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": "python training/train_box_fixture.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     if args.fixture:
         fixture = Path(args.fixture)
         fixture.parent.mkdir(parents=True, exist_ok=True)
         state = {k: v.half() if v.is_floating_point() else v for k, v in model.state_dict().items()}
         tmp = fixture.with_suffix(".tmp")
-        torch.save({"model": state, "__author__": "d2export tools/train_box_fixture.py"}, tmp)
+        torch.save({"model": state, "__author__": "d2export training/train_box_fixture.py"}, tmp)
         tmp.replace(fixture)
         record["sha256"] = hashlib.sha256(fixture.read_bytes()).hexdigest()
         record["bytes"] = fixture.stat().st_size

@@ -3,11 +3,11 @@
 and scored on another. If it reads few characters, the recognition head cannot read more; if it reads many and the
 spotter does not, the head (where its slots look, how they are trained) is what fails.
 
-Character centres are where the renderer centred each glyph along the word's band (`glyph_centres`; until
-2026-11-27 an even share of the word, which put narrow and wide letters a character off: the figures in
-docs/training.md say which).
+Character centres are where the renderer centred each glyph along the word's band (`glyph_centres`). The linear-probe
+figures behind the recipe's settings (docs/training.md) are this probe's; `benchmarks/gpu_session.sh recipe` runs it
+on the pretrained weights.
 
-    python tools/probe_features.py --weights tests/data/spotter_fixture.pth \\
+    python training/probe_features.py --weights tests/data/spotter_fixture.pth \\
         --config third_party/testr/configs/micro_spotter.yaml
 """
 from __future__ import annotations
@@ -18,13 +18,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
+sys.path[:0] = [str(REPO), str(REPO / "third_party")]
+from training.common import cpu_spotter, word_points  # noqa: E402
 
 
 def centres(annotation: dict, voc_size: int) -> tuple[list[list[float]], list[int]]:
     """A word's character centres (picture pixels: where the renderer centred each glyph) and their class ids."""
-    from pretrain_glyphs import word_points
-
     from d2export.charset import charset
 
     points, ids = word_points(annotation["bezier_pts"], annotation["rec"], voc_size, charset(voc_size))
@@ -107,8 +106,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")
     args = ap.parse_args(argv)
-
-    from train_spotter import cpu_spotter
 
     cfg, model = cpu_spotter(args.config, args.overrides, args.threads, args.weights)
     from detectron2.data import DatasetCatalog

@@ -3,7 +3,7 @@ height and length, each group's share found (matched at IoU > 0.5, as the text e
 accuracy and words read whole among those found; then substitutions by character position and the commonest
 confusions. Where the evaluator gives one figure, this says which words cost it, and so what would mend them.
 
-    python tools/probe_reading.py --weights tests/data/spotter_fixture.pth --data outputs/decoder/validation
+    python training/probe_reading.py --weights tests/data/spotter_fixture.pth --data outputs/decoder/validation
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "third_party"), str(REPO / "tools")]
+sys.path[:0] = [str(REPO), str(REPO / "third_party")]
+from training.common import cpu_spotter, reading  # noqa: E402
 
 BEND = 0.02  # a top edge straying from its chord by more than this share of the chord's length is curved
 TILT = 3.0  # degrees from the horizontal past which a straight word is rotated
@@ -108,7 +109,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from train_spotter import cpu_spotter, reading
 
     cfg, model = cpu_spotter(args.config, args.overrides, args.threads, args.weights)
     from detectron2.data import DatasetCatalog, MetadataCatalog
