@@ -22,8 +22,13 @@ $(STAMP): setup.py scripts/install_detectron2.py Makefile d2export/runtime/nativ
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	@touch $@
 
+# The suite on a worker per core, at most 4 (pytest-xdist), each worker taking a test file at a time so that a file's
+# module fixtures are made once, in collection order (tests/conftest.py puts the longest files first; xdist would
+# otherwise order files by their number of tests, and a long file of one test would start last and run alone);
+# `make test PYTEST_JOBS=0` runs it in this process alone.
+PYTEST_JOBS ?= auto
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_JOBS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 export: setup
 	$(PY) tools/export.py --config $(CONFIG)

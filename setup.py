@@ -176,7 +176,8 @@ setup(
         "batch": ["ray[data]>=2.40", "fsspec>=2023.12"],  # `d2export batch`
         # tritonclient: Triton's model-config protobuf, to check the configs triton-repo writes; matplotlib: benchmarks'
         # plots
-        "dev": ["pytest>=7", "pytest-xdist>=3", "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5",
+        "dev": ["pytest>=7", "pytest-xdist>=3.6",  # --no-loadscope-reorder: `make test`
+                "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5",
                 # scipy: the TESTR stand-in's Hungarian matcher (third_party/testr, trained in tests)
                 "scipy>=1.8"],
         # the fused MSDA operator for onnxruntime on the CPU (export.sampler=fused): its kernel and its registration

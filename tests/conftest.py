@@ -15,7 +15,32 @@ import torch  # noqa: E402
 # at most 2 threads, and the cores shared out among pytest-xdist's workers (`make test` runs one per core): torch's
 # threads beyond the cores a worker has would only wait on one another
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, torch.get_num_threads(), (os.cpu_count() or 1) // _WORKERS)))
+_SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
+torch.set_num_threads(max(1, min(2, torch.get_num_threads(), _SHARE)))
+
+if _WORKERS > 1:
+    import onnxruntime as _ort
+
+    _Options = _ort.SessionOptions
+
+    class _SharedCoresOptions(_Options):
+        """onnxruntime's "all cores" (intra_op_num_threads 0, the default and the Predictor's) as this worker's share of
+        them: a pool thread per core in every worker would spin-wait on cores the other workers compute on. A count
+        asked for explicitly is kept."""
+
+        def __init__(self):
+            super().__init__()
+            self.intra_op_num_threads = 0
+
+        @property
+        def intra_op_num_threads(self):
+            return _Options.intra_op_num_threads.__get__(self)
+
+        @intra_op_num_threads.setter
+        def intra_op_num_threads(self, count):
+            _Options.intra_op_num_threads.__set__(self, int(count) or _SHARE)
+
+    _ort.SessionOptions = _SharedCoresOptions
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +77,16 @@ def text_pictures(tmp_path_factory):
 
     return generate("text", tmp_path_factory.mktemp("text_pictures") / "text", count=16, seed=13, size=(320, 320),
                     workers=1)
+
+
+# The files whose tests take longest (a full run's durations on 2 cores, 2026-11-29), collected first: pytest-xdist
+# hands each worker a file at a time in collection order, so the long ones start at once and the short ones fill in
+# at the end, instead of one long file running alone while the other workers wait.
+LONGEST_FIRST = ("test_dynamo_exporter.py", "test_export_pipeline.py", "test_pinning.py", "test_int8.py",
+                 "test_detectron2_exports.py", "test_spotter_fixture.py", "test_testr_training.py",
+                 "test_box_fixture.py", "test_export_faults.py", "test_spotter_recipe.py", "test_mask2former.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
