@@ -199,10 +199,11 @@ def test_cuda_sessions_keep_matmul_and_add_apart(tmp_path, providers, fused):
     import onnx
     import onnxruntime as ort
 
-    from d2export.runtime.predictor import disable_cuda_optimizers, disabled_optimizers
+    from d2export.runtime.predictor import disabled_optimizers, serving_settings
 
     matmul_add_graph(tmp_path / "mm.onnx")
-    options = disable_cuda_optimizers(ort.SessionOptions(), providers)
+    options = ort.SessionOptions()
+    serving_settings(options, providers)
     options.optimized_model_filepath = str(tmp_path / "optimised.onnx")
     options.log_severity_level = 3
     session = ort.InferenceSession(str(tmp_path / "mm.onnx"), options, providers=["CPUExecutionProvider"])

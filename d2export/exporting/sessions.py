@@ -19,12 +19,11 @@ def session(path: Path, providers, precision: str = "float32"):
     graphs, MatMul+Add left unfused)."""
     import onnxruntime as ort
 
-    from d2export.runtime.predictor import disable_cuda_optimizers, options_per_provider, resolve_providers
+    from d2export.runtime.predictor import resolve_providers, serving_settings
 
-    providers = resolve_providers(providers)
-    return ort.InferenceSession(str(path), disable_cuda_optimizers(session_options(path), providers),
-                                providers=providers, provider_options=options_per_provider(providers,
-                                                                                            precision=precision))
+    providers, options = resolve_providers(providers), session_options(path)
+    per_provider = serving_settings(options, providers, precision)
+    return ort.InferenceSession(str(path), options, providers=providers, provider_options=per_provider)
 
 
 def ran_on(session, path: Path) -> dict:

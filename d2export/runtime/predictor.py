@@ -105,12 +105,19 @@ def options_per_provider(providers: Sequence[str], tf32: bool = False, given: Se
             for p, g in zip(providers, given)]
 
 
-def disable_cuda_optimizers(options, providers: Sequence[str]):
-    """`options` (onnxruntime SessionOptions) with `CUDA_DISABLED_OPTIMIZERS` turned off where CUDA serves; the
-    CPU's own sessions keep every fusion (its Gemm adds the bias in the product)."""
+def serving_settings(options, providers: Sequence[str], precision: str = "float32", tf32: bool = False,
+                     given: Sequence[dict] | None = None) -> list[dict]:
+    """What a session of `providers` serving a graph of `precision` gets, for the Predictor and for verification
+    alike: `options` (onnxruntime SessionOptions) with `CUDA_DISABLED_OPTIMIZERS` turned off where CUDA serves (the
+    CPU's own sessions keep every fusion: its Gemm adds the bias in the product); returns each provider's options
+    (`options_per_provider`)."""
     if PROVIDERS["cuda"] in providers:
         options.add_session_config_entry(DISABLED_OPTIMIZERS_KEY, ";".join(CUDA_DISABLED_OPTIMIZERS))
-    return options
+    return options_per_provider(providers, tf32, given, precision)
+
+
+def _no_cuda_graphs(runs_on: str) -> None:
+    log.warning("cuda graphs: not used: they need the CUDA provider (the session runs on %s)", runs_on)
 
 
 def disabled_optimizers(session) -> list[str]:
@@ -208,7 +215,8 @@ class Predictor(Processing):
                  min_size: int | None = None, max_size: int | None = None, verify_hash: bool = True,
                  embedded_manifest: bool = False, tf32: bool = False, cuda_graph: bool = False):
         """`threads`: onnxruntime's intra-op threads (0: its default, one per core). `provider_options` (one dict per
-        provider) go over `options_per_provider(providers, tf32)`'s defaults: TF32 off on CUDA. The manifest
+        provider) go over `serving_settings`'s defaults (on CUDA `cuda_options` for the graph's precision: TF32 off
+        for float32 unless `tf32`). The manifest
         (`model.manifest.json` beside the model) says everything else; see `Processing` for the overrides. The model
         must be the one its manifest describes (its sha256 unless `verify_hash=False`, and its inputs and outputs),
         else ModelLoadError. `embedded_manifest`: a model without a manifest beside it is served from the copy in its
@@ -231,8 +239,7 @@ class Predictor(Processing):
         except custom_ops.MissingExtra as e:
             raise ProviderUnavailable(str(e)) from None
         self.providers = resolve_providers(providers)
-        disable_cuda_optimizers(options, self.providers)
-        per_provider = options_per_provider(self.providers, tf32, provider_options, self.manifest.precision)
+        per_provider = serving_settings(options, self.providers, self.manifest.precision, tf32, provider_options)
         self.session, self.bound = self._cuda_graph_session(options, per_provider) if cuda_graph else (None, None)
         if self.session is None:
             try:
@@ -250,7 +257,7 @@ class Predictor(Processing):
         is built then), or (the session, None) where it came up without the CUDA provider."""
         cuda = PROVIDERS["cuda"]
         if cuda not in self.providers:  # the plain session, built next, runs on the first one asked for
-            log.warning("cuda graphs: not used: they need the CUDA provider (the session runs on %s)", self.providers[0])
+            _no_cuda_graphs(self.providers[0])
             return None, None
         with_graphs = [dict(o) for o in per_provider]
         with_graphs[self.providers.index(cuda)]["enable_cuda_graph"] = "1"
@@ -261,8 +268,7 @@ class Predictor(Processing):
                         (str(e).strip().splitlines() or [type(e).__name__])[0][:300])
             return None, None
         if session.get_providers()[0] != cuda:  # onnxruntime dropped a CUDA provider it could not load
-            log.warning("cuda graphs: not used: they need the CUDA provider (the session runs on %s)",
-                        session.get_providers()[0])
+            _no_cuda_graphs(session.get_providers()[0])
             return session, None
         device_id = int(session.get_provider_options().get(cuda, {}).get("device_id", 0))
         return session, BoundRuns(session, self.output_names, "cuda", device_id)

@@ -292,27 +292,14 @@ OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp*, s
 }
 int ORT_API_CALL min_arity(const OrtCustomOp*) { return 1; }    // no variadic inputs or outputs: never asked
 int ORT_API_CALL homogeneous(const OrtCustomOp*) { return 1; }  // likewise
-template <typename T>
-constexpr ONNXTensorElementDataType element_type() {
-  return std::is_same_v<T, float> ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-}
-template <typename T, typename U>
-ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
-  return index == 0 ? element_type<T>() : (index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
-                                                                    : element_type<U>());
-}
-template <typename T>
-ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
-  return element_type<T>();
-}
 OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t) { return OrtMemTypeDefault; }
 
 template <typename T, typename U>
 OrtCustomOp make_op() {
   OrtCustomOp op = msda::op_table();
   op.GetExecutionProviderType = op_provider;
-  op.GetInputType = input_type<T, U>;
-  op.GetOutputType = output_type<T>;
+  op.GetInputType = msda::input_type<T, U>;
+  op.GetOutputType = msda::output_type<T>;
   op.GetInputMemoryType = input_memory;
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute_kernel<T, U>;

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "ort_abi.h"
 
@@ -39,7 +40,21 @@ OrtStatus* prepare(const OrtApi* api, OrtKernelContext* context, Tensors& t);
 // output float32 with float32 locations and weights; value and output float16 with float32 locations and weights (what
 // a float16 graph's fused node gets: its locations keep float32's precision); everything float16. onnxruntime picks
 // the variant by the node's input types (each input's type is constrained on its own) and infers the output's type
-// from it.
+// from it. T is a variant's value and output type, U its locations' and weights': float, or a 16-bit float type
+// (its bits as uint16_t on the host, __half in CUDA); both kernels declare them through these.
+template <typename T>
+constexpr ONNXTensorElementDataType element_type() {
+  return std::is_same_v<T, float> ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+}
+template <typename T, typename U>
+ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
+  return index == 0 ? element_type<T>() : (index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+                                                                    : element_type<U>());
+}
+template <typename T>
+ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
+  return element_type<T>();
+}
 
 #if defined(D2_MSDA_CUDA)
 // The CUDA execution provider's ops (msda_op_cuda.cu): `cuda_op_count()` of them, the variants above.

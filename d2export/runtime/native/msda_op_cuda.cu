@@ -24,7 +24,6 @@
 #include <exception>
 #include <new>
 #include <string>
-#include <type_traits>
 
 #include "msda_op.h"
 #include "msda_sample.h"
@@ -175,10 +174,6 @@ OrtStatus* compute(const OrtApi* api, OrtKernelContext* context) {
 }
 
 // --- the OrtCustomOp callbacks ----------------------------------------------------------------------------------
-template <typename T>
-constexpr ONNXTensorElementDataType element_type() {
-  return std::is_same_v<T, float> ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-}
 
 OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi* api, const OrtKernelInfo*, void** kernel) {
   *kernel = new (std::nothrow) Kernel{api};
@@ -197,15 +192,6 @@ OrtStatus* ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* context) 
 
 void ORT_API_CALL destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 const char* ORT_API_CALL op_provider(const OrtCustomOp*) { return "CUDAExecutionProvider"; }
-template <typename T, typename U>
-ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp*, size_t index) {
-  return index == 0 ? element_type<T>() : (index == 1 || index == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
-                                                                    : element_type<U>());
-}
-template <typename T>
-ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp*, size_t) {
-  return element_type<T>();
-}
 // The level tables are read on the host (shape checks, kernel arguments): onnxruntime hands them over in host memory.
 OrtMemType ORT_API_CALL input_memory(const OrtCustomOp*, size_t index) {
   return index == 1 || index == 2 ? OrtMemTypeCPUInput : OrtMemTypeDefault;
@@ -215,8 +201,8 @@ template <typename T, typename U>
 OrtCustomOp make_op() {
   OrtCustomOp op = msda::op_table();
   op.GetExecutionProviderType = op_provider;
-  op.GetInputType = input_type<T, U>;
-  op.GetOutputType = output_type<T>;
+  op.GetInputType = msda::input_type<T, U>;
+  op.GetOutputType = msda::output_type<T>;
   op.GetInputMemoryType = input_memory;
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute_kernel<T, U>;
