@@ -19,6 +19,9 @@ _SHARE = max(1, (os.cpu_count() or 1) // _WORKERS)
 torch.set_num_threads(max(1, min(2, torch.get_num_threads(), _SHARE)))
 
 if _WORKERS > 1:
+    # the processes tests start (training scripts, CLI exports) get the worker's share too: torch's default threads
+    # follow OMP_NUM_THREADS; a thread per core in each would wait on the other workers' cores
+    os.environ["OMP_NUM_THREADS"] = str(_SHARE)
     import onnxruntime as _ort
 
     _Options = _ort.SessionOptions

@@ -122,7 +122,7 @@ def dynamic(tmp_path_factory):
     """The trained micro spotter exported with export.int8=dynamic."""
 
     out = tmp_path_factory.mktemp("int8_dynamic")
-    manifest = export("textdet_micro", out, "export.int8=dynamic")
+    manifest = export("textdet_micro", out, "export.int8=dynamic", "export.lint=false")
     return manifest, out / manifest.model_file
 
 
@@ -170,7 +170,7 @@ def test_static_int8_calibrates_on_pictures_and_verifies(text_pictures, tmp_path
     swapped: refused)."""
 
     manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={text_pictures}",
-                      "export.calibration_count=16", "verify.batch=false")
+                      "export.calibration_count=16", "verify.batch=false", "export.lint=false")
     v = manifest.verification["int8"]
     assert manifest.precision == "int8" and v["passed"] is True
     q = v["quantization"]
@@ -190,7 +190,7 @@ def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(text_pictures, tmp
                         tuple(s for s in get("testr").int8_float_scopes if s not in ENCODER_AND_PROPOSALS))
     with pytest.raises(VerificationError, match="the int8 graph disagrees with eager PyTorch"):
         export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={text_pictures}",
-               "export.calibration_count=8", "verify.batch=false", "verify.pin_selections=false")
+               "export.calibration_count=8", "verify.batch=false", "verify.pin_selections=false", "export.lint=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
 
 
@@ -203,5 +203,5 @@ def test_a_reader_whose_text_branch_is_quantised_is_refused(tmp_path, monkeypatc
     monkeypatch.setattr(get("testr"), "int8_float_scopes",
                         tuple(s for s in get("testr").int8_float_scopes if s not in TEXT_BRANCH))
     with pytest.raises(VerificationError, match="char_scores"):
-        export("textdet_micro", tmp_path, "export.int8=dynamic", "verify.pin_selections=false")
+        export("textdet_micro", tmp_path, "export.int8=dynamic", "verify.pin_selections=false", "export.lint=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))

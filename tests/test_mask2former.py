@@ -24,7 +24,9 @@ SIZES = "verify.sizes=[[128,160],[96,192]]"
 
 
 def _built(tmp_path, *overrides: str):
-    return pipeline.prepare(load("mask2former_tiny", [f"export.output_dir={tmp_path}", SIZES, *overrides]))
+    """Two verification sizes and a batch; no lint (a second trace, which these tests do not look at)."""
+    return pipeline.prepare(load("mask2former_tiny", [f"export.output_dir={tmp_path}", SIZES, "export.lint=false",
+                                                      *overrides]))
 
 
 @pytest.fixture(scope="module")

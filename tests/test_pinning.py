@@ -59,7 +59,8 @@ SIZES = "verify.sizes=[[160,224],[128,288],[288,128]]"
 
 
 def _built(config: str, tmp_path, *overrides: str):
-    return pipeline.prepare(load(config, [f"export.output_dir={tmp_path}", SIZES, *overrides]))
+    """Three verification sizes and a batch; no lint (a second trace, which these tests do not look at)."""
+    return pipeline.prepare(load(config, [f"export.output_dir={tmp_path}", SIZES, "export.lint=false", *overrides]))
 
 
 def _module(built, name: str) -> nn.Module:

@@ -80,7 +80,8 @@ def test_float16_export_verifies_on_text(tmp_path, text_pictures):
     """On the pictures of its domain (verify.pictures), where its characters are confident: on noise pictures a
     reader's confident detections read strokes at character probabilities near 0.3, where float16 moves them most
    ."""
-    manifest = export("textdet_micro", tmp_path, "export.fp16=true", f"verify.pictures={text_pictures}")
+    manifest = export("textdet_micro", tmp_path, "export.fp16=true", f"verify.pictures={text_pictures}",
+                      "export.lint=false")
     v = manifest.verification["fp16"]
     assert manifest.precision == "float16" and v["passed"] is True and manifest.verification["passed"] is True
     assert all(c["case"].endswith(".jpg)") for c in v["cases"])
@@ -109,5 +110,6 @@ def test_a_float16_reader_whose_characters_lean_is_refused_on_text_too(tmp_path,
 
     monkeypatch.setattr(fp16, "to_float16", leaning)
     with pytest.raises(VerificationError, match="float16 graph disagrees"):
-        export("textdet_micro", tmp_path, "export.fp16=true", f"verify.pictures={text_pictures}")
+        export("textdet_micro", tmp_path, "export.fp16=true", f"verify.pictures={text_pictures}",
+               "export.lint=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))

@@ -14,15 +14,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------------------- the model
-def spotter_cfg(config: str, overrides: list[str], threads: int, seed: int = 0):
+def spotter_cfg(config: str, overrides: list[str], threads: int | None, seed: int = 0):
     """The TESTR stand-in as every spotter tool runs it: TESTR's CUDA op stood in for (on any device, with a
-    backward), `threads` CPU threads, torch seeded, the model registered; returns `config` with `overrides`."""
+    backward), `threads` CPU threads (None: torch's default), torch seeded, the model registered; returns `config`
+    with `overrides`."""
     import torch
 
     from d2export.patching import compiled_ops
 
     compiled_ops.install(["testr._C"])
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(seed)
     import testr  # noqa: F401 - registers TransformerDetector
     from testr.config import get_cfg

@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--eval-count", type=int, default=100)
     ap.add_argument("--eval-seed", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's, every core or $OMP_NUM_THREADS)")
     ap.add_argument("--workers", type=int, default=1, help="processes drawing the stream (12 of 16 cores by a GPU)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs")

@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=2e-3, help="AdamW's learning rate")
     ap.add_argument("--decay-at", default="0.8,0.95",
                     help="where the learning rate drops tenfold, as fractions of --iters (comma-separated)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's, every core or $OMP_NUM_THREADS)")
     ap.add_argument("--bf16", action="store_true",
                     help="train under bfloat16 autocast (weights stay float32): 1.25x the steps on a CPU with AMX or "
                          "AVX-512 BF16, slower on one without")
@@ -73,7 +74,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from detectron2.engine import DefaultTrainer
     from detectron2.evaluation import COCOEvaluator, inference_on_dataset
     from detectron2.utils.logger import setup_logger

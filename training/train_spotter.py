@@ -75,7 +75,8 @@ def main(argv=None) -> int:
                     help="text: only the text branch learns (its decoder layers, character classifier and slot "
                          "embeddings) on what the rest, frozen and in eval mode, sees; detection stays exactly as "
                          "--init had it. The last stage of the recipe: reading learns from many pictures cheaply")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's, every core or $OMP_NUM_THREADS)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (cuda where torch sees a GPU): the op's "
                     "stand-in runs there with its backward")
     ap.add_argument("overrides", nargs="*", help="config overrides, KEY VALUE pairs as detectron2 takes them")

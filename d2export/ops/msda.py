@@ -162,17 +162,32 @@ def _gather(value, spatial_shapes, level_start_index, sampling_locations, attent
     m, d, taps = static_size(m), static_size(d), static_size(taps)
     rows = rows.reshape(-1, m, taps)  # [N * Lq, M, taps]
     weight = weight.reshape(-1, m, 1, taps)
-    out = [torch.matmul(w, F.embedding(r, pixels)) for r, w in _pieces(rows, weight, pieces)]  # [q, M, 1, D] each
-    return (out[0] if pieces == 1 else torch.cat(out, 0)).view(n, lq, m * d)
+    out = _by_pieces(lambda r, w: torch.matmul(w, F.embedding(r, pixels)), rows, weight, pieces)  # [N * Lq, M, 1, D]
+    return out.view(n, lq, m * d)
+
+
+def _by_pieces(fn, rows: torch.Tensor, weight: torch.Tensor, pieces: int) -> torch.Tensor:
+    """fn(rows, weight) over `pieces` consecutive parts of both along dim 0, concatenated."""
+    if pieces == 1:
+        return fn(rows, weight)
+    if torch.compiler.is_exporting():
+        # torch.export: parts of one symbolic size, padded at the end with row 0 at weight 0, whose results are
+        # dropped. Parts of sizes ⌊Q·(i+1)/pieces⌋ - ⌊Q·i/pieces⌋ cost the shape algebra (sympy) of every op
+        # once per part: with 16 such parts the tiny spotter's export took 2.5x as long. A row more than needed
+        # keeps a part from being 1 row, a special case to torch.export (broadcasting) that it would refuse.
+        total = rows.shape[0]
+        size = (total + pieces - 1) // pieces + 1
+        rows, weight = (F.pad(t, [0, 0] * (t.dim() - 1) + [0, size * pieces - total]) for t in (rows, weight))
+        parts = [(rows[i * size:(i + 1) * size], weight[i * size:(i + 1) * size]) for i in range(pieces)]
+        return torch.cat([fn(r, w) for r, w in parts], 0)[:total]
+    return torch.cat([fn(r, w) for r, w in _pieces(rows, weight, pieces)], 0)
 
 
 def _pieces(rows: torch.Tensor, weight: torch.Tensor, pieces: int) -> list:
     """(rows, weight) cut into `pieces` consecutive parts along dim 0, some possibly empty."""
-    if pieces == 1:
-        return [(rows, weight)]
     if not (torch.jit.is_tracing() and torch.onnx.is_in_onnx_export()):
-        # eagerly, under torch.export (SymInts) and torch.jit.trace (traced sizes; a saved TorchScript module cannot
-        # hold the Python Function below)
+        # eagerly and under torch.jit.trace (traced sizes; a saved TorchScript module cannot hold the Python Function
+        # below)
         bounds = [rows.shape[0] * i // pieces for i in range(pieces + 1)]
         return [(rows[a:b], weight[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     # the TorchScript-based ONNX exporter: every bound at once, then one Slice per operand and piece (slicing at 0-d
