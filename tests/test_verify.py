@@ -55,3 +55,26 @@ def test_untied_swaps_and_changed_detections_still_fail():
     relabelled = {n: v.copy() for n, v in expected.items()}
     relabelled["labels"][0, 1] += 1
     assert verdict(expected, relabelled, "scores")["labels"] is False
+
+
+def test_verification_sessions_run_on_as_many_threads_as_torch(tmp_path):
+    """The graph is checked on torch's threads (every core, or what OMP_NUM_THREADS / torch.set_num_threads asked),
+    not onnxruntime's every core: an export limited to one thread stays on one."""
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+
+    from d2export.exporting import sessions
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    path = tmp_path / "identity.onnx"
+    onnx.save(helper.make_model(graph), str(path))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert sessions.session_options(path).intra_op_num_threads == threads
+    finally:
+        torch.set_num_threads(before)

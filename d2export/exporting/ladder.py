@@ -30,10 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from d2export.exporting import near_ties, pinning
+from d2export.exporting import near_ties, pinning, sessions
 from d2export.exporting.onnx_export import export_onnx
 from d2export.exporting.verify import difference
-from d2export.runtime import custom_ops
 from d2export.tracing import graph_inputs, torch_inputs
 
 Key = tuple  # (module path, call index, where the tensor sits in the call's output: "", "[1]", "['pred_logits']")
@@ -328,8 +327,6 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
     then on every case (name → images). Rows compare within `atol`, `rtol`; the adapter's own outputs within
     `output_tolerances[name]` where given (verification's, by kind). Nothing is written outside a temporary
     directory."""
-    import onnxruntime as ort
-
     paths = list(default_rungs(adapter) if rungs is None else rungs)
     args = torch_inputs(adapter, export_images)
     with tempfile.TemporaryDirectory(prefix="d2export-ladder-") as tmp, scope():
@@ -345,7 +342,7 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
         result = export_onnx(wrapper, args, Path(tmp) / "ladder.onnx", input_names=adapter.input_names,
                              output_names=list(adapter.output_names) + names, dynamic_axes=axes,
                              opset=settings.opset, exporter=settings.exporter)
-        options = custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(result.path))
+        options = sessions.session_options(result.path)
         options.log_severity_level = 3  # a run that fails is reported below, not logged twice
         session, selections = near_ties.selecting_session(result.path, options, providers)
     warns = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in result.tracer_warnings]

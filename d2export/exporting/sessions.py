@@ -7,10 +7,14 @@ from d2export.runtime import custom_ops
 
 
 def session_options(path: Path):
-    """Session options with the custom operators the graph at `path` uses registered."""
+    """Session options with the custom operators the graph at `path` uses registered, on as many threads as the eager
+    references beside them (torch's: every core, or what OMP_NUM_THREADS or torch.set_num_threads asked)."""
     import onnxruntime as ort
+    import torch
 
-    return custom_ops.register(ort.SessionOptions(), custom_ops.file_ops(path))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    return custom_ops.register(options, custom_ops.file_ops(path))
 
 
 def session(path: Path, providers, precision: str = "float32"):
