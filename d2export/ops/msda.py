@@ -174,7 +174,8 @@ def _by_pieces(fn, rows: torch.Tensor, weight: torch.Tensor, pieces: int) -> tor
         # torch.export: parts of one symbolic size, padded at the end with row 0 at weight 0, whose results are
         # dropped. Parts of sizes ⌊Q·(i+1)/pieces⌋ - ⌊Q·i/pieces⌋ cost the shape algebra (sympy) of every op
         # once per part: with 16 such parts the tiny spotter's export took 2.5x as long. A row more than needed
-        # keeps a part from being 1 row, a special case to torch.export (broadcasting) that it would refuse.
+        # keeps a part from being 1 row: a size of 1 is a special case to torch.export's shape checks (a guard
+        # `size != 1` in the program), so a program traced at a larger size would refuse small images.
         total = rows.shape[0]
         size = (total + pieces - 1) // pieces + 1
         rows, weight = (F.pad(t, [0, 0] * (t.dim() - 1) + [0, size * pieces - total]) for t in (rows, weight))
