@@ -1,6 +1,6 @@
 """The torch.export-based exporter (export.exporter=dynamo) on the tiny TESTR-architecture spotter: a graph as
-size- and batch-general as the TorchScript-based one's, verified. (A file of its own: its export alone takes minutes,
-and pytest-xdist's workers share out files.)"""
+size- and batch-general as the TorchScript-based one's, verified. (A file of its own: its export alone takes over a
+minute, and pytest-xdist's workers share out files.)"""
 import onnx
 
 from exports import export
