@@ -32,14 +32,23 @@ ORT = [] if WANT_GPU else ["onnxruntime>=1.17"]
 # compiler exists; optional, so an install without one still succeeds and the numba kernel (the `fused` extra) serves
 # instead. Python never imports it: onnxruntime loads it by path (d2export.runtime.custom_ops finds it). No
 # -march=native: a wheel or a clone may move to another CPU; -O3 vectorises the kernel's loop over D for the default
-# target.
-NATIVE_FLAGS = (["/O2", "/std:c++17"] if os.name == "nt"
-                else ["-O3", "-g0", "-std=c++17", "-fvisibility=hidden", "-pthread"])
+# target. The flags live in d2export/runtime/native_build.py (no multiply-add contraction: every CPU computes the same
+# bits), which the tests build each clone's level with; loaded by path, as d2export is not installed yet.
+def _native_build():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_d2export_native_build", HERE / "d2export/runtime/native_build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+NATIVE_FLAGS = _native_build().NATIVE_FLAGS
 MSDA_NATIVE = Extension(
     "d2export.runtime._msda_native",
     sources=["d2export/runtime/native/msda_op.cc"],
     depends=["d2export/runtime/native/ort_abi.h", "d2export/runtime/native/msda_sample.h",
-             "d2export/runtime/native/msda_op.h"],
+             "d2export/runtime/native/msda_op.h", "d2export/runtime/native_build.py"],
     extra_compile_args=NATIVE_FLAGS,
     extra_link_args=[] if os.name == "nt" else ["-pthread"],
     export_symbols=["RegisterCustomOps"],
@@ -67,7 +76,7 @@ NATIVE_HEADERS = ["d2export/runtime/native/ort_abi.h", "d2export/runtime/native/
 MSDA_CUDA = Extension(
     "d2export.runtime._msda_cuda",
     sources=["d2export/runtime/native/msda_op.cc"],  # plus CUDA_SOURCE, which BuildExt hands to nvcc
-    depends=NATIVE_HEADERS + [CUDA_SOURCE, "setup.py"],  # setup.py: CUDA_ARCHS
+    depends=NATIVE_HEADERS + [CUDA_SOURCE, "setup.py", "d2export/runtime/native_build.py"],  # setup.py: CUDA_ARCHS
     define_macros=[("D2_MSDA_CUDA", "1")],
     extra_compile_args=NATIVE_FLAGS,
     export_symbols=["RegisterCustomOps"],
@@ -120,8 +129,11 @@ class BuildExt(build_ext):
         objects = self.compiler.compile(ext.sources, output_dir=str(temp), macros=ext.define_macros,
                                         extra_postargs=ext.extra_compile_args, depends=ext.depends)
         cuda_object = str(temp / "msda_op_cuda.o")
-        # -fmad=false: no multiply-add contracted, as the CPU kernel computes (same roundings, same outputs)
-        common = ["-std=c++17", "-O3", "-fmad=false", "-DD2_MSDA_CUDA=1", "-Xcompiler", "-fPIC,-fvisibility=hidden"]
+        # -fmad=false: no multiply-add contracted but those the sampling header writes out, as the CPU kernel
+        # computes (same roundings, same outputs); the host side compiled as the CPU library is (NATIVE_FLAGS)
+        host = ",".join(["-fPIC"] + [f for f in NATIVE_FLAGS if f.startswith(("-fvisibility", "-ffp-contract",
+                                                                               "-frecord"))])
+        common = ["-std=c++17", "-O3", "-fmad=false", "-DD2_MSDA_CUDA=1", "-Xcompiler", host]
         run = dict(check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         subprocess.run([nvcc, "-c", CUDA_SOURCE, "-o", cuda_object, *common, *CUDA_ARCHS], **run)
         Path(target).parent.mkdir(parents=True, exist_ok=True)

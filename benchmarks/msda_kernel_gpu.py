@@ -67,16 +67,11 @@ def unavailable() -> str | None:
 
 
 def one_node(value_type: int):
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
     from d2export.runtime import custom_ops
 
-    types = [value_type, TensorProto.INT64, TensorProto.INT64, TensorProto.FLOAT, TensorProto.FLOAT]
-    node = helper.make_node(custom_ops.FUSED_MSDA, NAMES, ["out"], domain=custom_ops.DOMAIN)
-    graph = helper.make_graph([node], "msda", [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
-                              [helper.make_tensor_value_info("out", value_type, None)])
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(custom_ops.DOMAIN, 1)]
-    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+    return custom_ops.fused_msda_model("float16" if value_type == TensorProto.FLOAT16 else "float")
 
 
 def session(model: bytes, provider: str):

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from d2export.runtime import custom_ops
+from d2export.runtime import custom_ops, native_build
 from test_native_msda import CASES, _feed, _half_args, _inputs, _session, assert_close, half_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -219,9 +219,11 @@ def harness(tmp_path_factory):
     folder = tmp_path_factory.mktemp("msda_sample")
     (folder / "harness.cc").write_text(_HARNESS)
     library = folder / "harness.so"
-    # the CPU library's own flags (setup.py's NATIVE_FLAGS): no contraction into multiply-adds, as nvcc -fmad=false
-    subprocess.run([compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", f"-I{NATIVE}",
-                    str(folder / "harness.cc"), "-o", str(library)], check=True, capture_output=True)
+    # the CPU library's own flags (setup.py's NATIVE_FLAGS: no contraction into multiply-adds, as nvcc -fmad=false),
+    # its entry points visible
+    flags = [f for f in native_build.NATIVE_FLAGS if not f.startswith("-fvisibility")]
+    subprocess.run([compiler, *flags, "-shared", "-fPIC", f"-I{NATIVE}", str(folder / "harness.cc"), "-o",
+                    str(library)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(library))
     for name in ("msda_f32_v1", "msda_f32_v8", "msda_f16_v1", "msda_f16_v8", "msda_f16f16_v8", "to_float", "to_half"):
         getattr(lib, name).restype = None

@@ -18,8 +18,7 @@ from d2export.runtime.msda_kernel import msda as numba_msda
 from msda_reference import edge_locations, msda_reference, random_msda_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
-TYPES = [TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT64, TensorProto.FLOAT, TensorProto.FLOAT]
+NAMES = list(custom_ops.FUSED_MSDA_INPUTS)
 # Float32 accumulation against float64: a few 1e-7 of the output's scale (measured 1.4e-7); 1e-6 leaves room for
 # summation order and nothing more (a 1/100-pixel shift is far outside it: test_a_wrong_kernel_fails).
 RTOL = 1e-6
@@ -38,14 +37,9 @@ def library() -> str:
 
 
 def _model(value: int = TensorProto.FLOAT, sampling: int = TensorProto.FLOAT) -> bytes:
-    """One fused MSDA node; inputs of unknown rank, so that bad shapes reach the kernel's own checks. `value`: the
-    value's and output's element type; `sampling`: the locations' and weights'."""
-    types = [value, *TYPES[1:3], sampling, sampling]
-    node = helper.make_node(custom_ops.FUSED_MSDA, NAMES, ["out"], domain=custom_ops.DOMAIN)
-    graph = helper.make_graph([node], "msda", [helper.make_tensor_value_info(n, t, None) for n, t in zip(NAMES, types)],
-                              [helper.make_tensor_value_info("out", value, None)])
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(custom_ops.DOMAIN, 1)]
-    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+    """One fused MSDA node. `value`: the value's and output's element type; `sampling`: the locations' and weights'."""
+    kinds = {TensorProto.FLOAT: "float", TensorProto.FLOAT16: "float16"}
+    return custom_ops.fused_msda_model(kinds[value], kinds[sampling])
 
 
 MODEL = _model()

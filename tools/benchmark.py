@@ -14,6 +14,8 @@ SUBCOMMANDS = {  # subcommand -> ("module:function", one line)
     "batch": ("benchmarks.batch:main", "infer against batch (Ray Data actors x threads): pictures/s"),
     "segmentation": ("benchmarks.segmentation:main", "Mask2Former-style segmenters: graph and served results against "
                      "the model's own forward, latency"),
+    "native": ("benchmarks.native:main", "the fused operator's CPU library built per x86-64 level and with contraction: "
+               "time and bits side by side"),
     "gpu": ("benchmarks.gpu:main", "on an NVIDIA GPU: eager (compiled kernel, plugin) against onnxruntime CUDA"),
 }
 

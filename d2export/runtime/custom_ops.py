@@ -173,6 +173,25 @@ def graph_ops(model) -> list[str]:
     return sorted({f"{n.domain}.{n.op_type}" for n in _all_nodes(model.graph) if n.domain == DOMAIN})
 
 
+FUSED_MSDA_INPUTS = ("value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights")
+
+
+def fused_msda_model(value: str = "float", sampling: str = "float") -> bytes:
+    """A graph of one fused MSDA node (inputs named FUSED_MSDA_INPUTS, output "out"), for measuring and testing the
+    kernels alone. `value`: the value's and output's element type ("float" or "float16"); `sampling`: the locations'
+    and weights'. Inputs have no declared rank, so that bad shapes reach the kernel's own checks."""
+    from onnx import TensorProto, helper
+
+    kinds = {"float": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+    types = [kinds[value], TensorProto.INT64, TensorProto.INT64, kinds[sampling], kinds[sampling]]
+    node = helper.make_node(FUSED_MSDA, list(FUSED_MSDA_INPUTS), ["out"], domain=DOMAIN)
+    graph = helper.make_graph([node], "msda", [helper.make_tensor_value_info(n, t, None)
+                                               for n, t in zip(FUSED_MSDA_INPUTS, types)],
+                              [helper.make_tensor_value_info("out", kinds[value], None)])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
 def _all_nodes(graph):
     for node in graph.node:
         yield node

@@ -98,20 +98,23 @@ struct Problem {
   int64_t tokens, heads, dim, queries, levels, points;
 };
 
-// acc += w00 * a + w01 * b + w10 * c + w11 * d over n channels. The restrict pointers let the compiler vectorise along
-// D without run-time overlap checks (the accumulator never aliases value).
+// acc += w00 * a + w01 * b + w10 * c + w11 * d over n channels (msda::blend's chain of multiply-adds). The restrict
+// pointers let the compiler vectorise along D without run-time overlap checks (the accumulator never aliases value).
 template <typename T>
 inline void blend4(float* __restrict acc, const T* __restrict a, const T* __restrict b, const T* __restrict c,
                    const T* __restrict d, float w00, float w01, float w10, float w11, int64_t n) {
   for (int64_t k = 0; k < n; ++k) {
-    acc[k] += msda::blend(widen(a[k]), widen(b[k]), widen(c[k]), widen(d[k]), w00, w01, w10, w11);
+    acc[k] = msda::blend(acc[k], widen(a[k]), widen(b[k]), widen(c[k]), widen(d[k]), w00, w01, w10, w11);
   }
 }
 
 // Built for the default x86-64 target (the library may move between CPUs), the D loop would get 4-float SSE vectors
-// only; GCC and clang clone the row's code for AVX2 and AVX-512 and pick one when the library loads.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__)
-#define D2_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// only; GCC and clang clone the row's code for AVX-512 and for x86-64-v3 (AVX2 with FMA, which the sampling's fmaf
+// needs to be one instruction) and pick one when the library loads. Every clone computes the same bits: the header's
+// multiply-adds are explicit and nothing else is contracted (d2export/runtime/native_build.py). D2_NO_CLONES: one
+// build for the -march given, as the tests build each clone's level.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__) && !defined(D2_NO_CLONES)
+#define D2_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #else
 #define D2_CLONES
 #endif
