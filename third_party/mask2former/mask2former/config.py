@@ -55,7 +55,7 @@ def add_maskformer2_config(cfg):
     cfg.MODEL.SEM_SEG_HEAD.TRANSFORMER_ENC_LAYERS = 0
     cfg.MODEL.SEM_SEG_HEAD.PIXEL_DECODER_NAME = "BasePixelDecoder"
 
-    # Swin backbone (no Swin in the stand-in; the keys are there so upstream's Swin configs merge)
+    # Swin backbone (D2SwinTransformer)
     cfg.MODEL.SWIN = CN()
     cfg.MODEL.SWIN.PRETRAIN_IMG_SIZE = 224
     cfg.MODEL.SWIN.PATCH_SIZE = 4

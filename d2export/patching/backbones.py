@@ -1,0 +1,127 @@
+"""Size-general patches for the backbones deployed checkpoints stand on: Swin in its three copies (Mask2Former /
+OneFormer / MaskDINO's `D2SwinTransformer`, detectron2's `SwinTransformer` as detrex and ViTDet configs use it,
+AdelaiDet / DeepSolo's `adet/modeling/swin`), which share one code. Traced as written, each stage bakes its shift
+mask's window count, each block its padding decision, crop and batch (window_reverse's `int(...)`), patch merging
+and patch embedding their odd-size padding: a graph right only at the dummy's window counts and batch. Modules are
+found by what they have; each replacement computes what the original does, from traced sizes
+(d2export/ops/windows.py), with the original's own submodules.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from d2export.ops import windows
+from d2export.patching.registry import register_patch
+
+
+def _forward_args(module) -> list[str]:
+    try:
+        return list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return []
+
+
+def is_swin_block(module) -> bool:
+    """A shifted-window block: window and shift sizes, a window attention with a relative position table, two norms
+    and an MLP, called as forward(x, mask_matrix) with its H and W set by its stage."""
+    attn = getattr(module, "attn", None)
+    sizes = (getattr(module, "window_size", None), getattr(module, "shift_size", None))
+    return (all(isinstance(s, int) for s in sizes) and hasattr(attn, "relative_position_bias_table")
+            and all(hasattr(module, a) for a in ("norm1", "norm2", "mlp", "drop_path"))
+            and _forward_args(module) == ["x", "mask_matrix"])
+
+
+def is_swin_stage(module) -> bool:
+    """A stage of shifted-window blocks that builds their mask: forward(x, H, W)."""
+    blocks = getattr(module, "blocks", None)
+    return (isinstance(blocks, nn.ModuleList) and len(blocks) > 0 and is_swin_block(blocks[0])
+            and isinstance(getattr(module, "shift_size", None), int) and hasattr(module, "downsample")
+            and _forward_args(module) == ["x", "H", "W"])
+
+
+def is_patch_merging(module) -> bool:
+    """Swin's 2x2 patch merging: a norm and a bias-free Linear from 4C to 2C channels, forward(x, H, W)."""
+    reduction = getattr(module, "reduction", None)
+    return (isinstance(reduction, nn.Linear) and reduction.in_features == 2 * reduction.out_features
+            and hasattr(module, "norm") and not hasattr(module, "blocks")
+            and _forward_args(module) == ["x", "H", "W"])
+
+
+def is_patch_embed(module) -> bool:
+    """A patch embedding that pads the image to its patch size: a convolution whose kernel is its stride."""
+    proj = getattr(module, "proj", None)
+    return (isinstance(proj, nn.Conv2d) and tuple(proj.kernel_size) == tuple(proj.stride)
+            == _pair(getattr(module, "patch_size", None)) and hasattr(module, "embed_dim") and hasattr(module, "norm")
+            and _forward_args(module) == ["x"])
+
+
+def _pair(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x, x)
+
+
+def swin_stage_forward(self, x, H, W):
+    """The stage's shift mask from its padded sizes; the blocks and the merging as the original calls them."""
+    window = self.window_size
+    mask = windows.shift_mask(windows.ceil_to(H, window), windows.ceil_to(W, window), window, self.shift_size,
+                              x.device)
+    for block in self.blocks:
+        block.H, block.W = H, W
+        x = block(x, mask)  # (checkpointing, where configured, recomputes the same values in training only)
+    if self.downsample is None:
+        return x, H, W, x, H, W
+    return x, H, W, self.downsample(x, H, W), (H + 1) // 2, (W + 1) // 2
+
+
+def swin_block_forward(self, x, mask_matrix):
+    """Pad to whole windows, (shift,) attend per window, reverse, (unshift,) crop: the batch from the input, the
+    padding and the crop unconditional (no-ops where the map is whole windows)."""
+    batch, _, channels = x.shape
+    height, width, window, shift = self.H, self.W, self.window_size, self.shift_size
+    shortcut = x
+    x = windows.pad_bottom_right(self.norm1(x).view(batch, height, width, channels), window)
+    padded_h, padded_w = x.shape[1], x.shape[2]
+    if shift > 0:
+        x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
+    attended = self.attn(windows.partition(x, window).view(-1, window * window, channels),
+                         mask=mask_matrix if shift > 0 else None)
+    x = windows.reverse(attended.view(-1, window, window, channels), window, batch, padded_h, padded_w)
+    if shift > 0:
+        x = torch.roll(x, shifts=(shift, shift), dims=(1, 2))
+    x = x[:, :height, :width].reshape(batch, height * width, channels)
+    x = shortcut + self.drop_path(x)
+    return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+def patch_merging_forward(self, x, H, W):
+    batch, _, channels = x.shape
+    x = windows.pad_bottom_right(x.view(batch, H, W, channels), 2)
+    x = torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1)
+    return self.reduction(self.norm(x.view(batch, -1, 4 * channels)))
+
+
+def patch_embed_forward(self, x):
+    x = self.proj(windows.pad_bottom_right(x, _pair(self.patch_size), channels_last=False))
+    if self.norm is not None:
+        height, width = x.shape[2], x.shape[3]
+        x = self.norm(x.flatten(2).transpose(1, 2)).transpose(1, 2).view(-1, self.embed_dim, height, width)
+    return x
+
+
+def _modules(has):
+    return lambda name, module: has(module)
+
+
+register_patch("swin-shift-mask", module=_modules(is_swin_stage),
+               why="the shifted-window mask is built with np.ceil and Python slices of the feature size: a constant "
+                   "of the dummy's window count")(swin_stage_forward)
+register_patch("swin-window-sizes", module=_modules(is_swin_block),
+               why="window_reverse reads the batch back as an int, and the padding and crop are decided by Python "
+                   "ifs: the dummy's batch and padding baked")(swin_block_forward)
+register_patch("swin-patch-merging", module=_modules(is_patch_merging),
+               why="odd sizes padded under a Python if: the dummy's parity baked")(patch_merging_forward)
+register_patch("patch-embed-padding", module=_modules(is_patch_embed),
+               why="the image padded to the patch size under Python ifs: the dummy's remainder baked"
+               )(patch_embed_forward)
