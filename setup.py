@@ -191,7 +191,10 @@ setup(
         "dev": ["pytest>=7", "pytest-xdist>=3.6",  # --no-loadscope-reorder: `make test`
                 "psutil>=5", "httpx>=0.24", "tritonclient>=2.40", "matplotlib>=3.5",
                 # scipy: the TESTR stand-in's Hungarian matcher (third_party/testr, trained in tests)
-                "scipy>=1.8"],
+                "scipy>=1.8",
+                # timm: what the backbones of deployed checkpoints import (detectron2's ViT its Mlp and DropPath,
+                # Mask2Former's and DeepSolo's Swin DropPath), as every install of those projects has it
+                "timm>=0.9"],
         # the fused MSDA operator for onnxruntime on the CPU (export.sampler=fused): its kernel and its registration
         "fused": ["numba>=0.59", "onnxruntime-extensions>=0.15"],
         # `d2export synth`: OpenCV warps words along their curves and traces the visible outlines of shapes

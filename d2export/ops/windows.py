@@ -9,6 +9,8 @@ what the original computes, exactly.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -60,3 +62,25 @@ def shift_mask(height, width, window: int, shift: int, device) -> Tensor:
     ids = partition(ids[None, :, :, None], window).reshape(-1, window * window)
     differ = ids[:, None, :] != ids[:, :, None]
     return torch.zeros_like(differ, dtype=torch.float32).masked_fill(differ, -100.0)
+
+
+def relative_position_table(rel_pos: Tensor, size) -> Tensor:
+    """ViTDet's decomposed relative positions for self-attention over `size` tokens along one axis: the table
+    [2·size − 1, C] resized linearly to 2·size − 1 rows (the identity where it has them already), indexed by
+    query − key + size − 1 (upstream's get_rel_pos with equal query and key sizes)."""
+    rows = 2 * size - 1
+    table = F.interpolate(rel_pos.reshape(1, rel_pos.shape[0], -1).permute(0, 2, 1), size=rows, mode="linear")
+    table = table.reshape(-1, rows).permute(1, 0)
+    at = torch.arange(size, device=rel_pos.device)
+    return table[at[:, None] - at[None, :] + (size - 1)]
+
+
+def resized_position_embedding(abs_pos: Tensor, has_cls_token: bool, height, width) -> Tensor:
+    """ViTDet's absolute position embedding [1, S, C] (a square grid, after a class token where it has one) resized
+    bicubically to height x width, [1, H, W, C]: always resized, the identity at the grid's own size."""
+    if has_cls_token:
+        abs_pos = abs_pos[:, 1:]
+    side = math.isqrt(abs_pos.shape[1])
+    assert side * side == abs_pos.shape[1]
+    grid = abs_pos.reshape(1, side, side, -1).permute(0, 3, 1, 2)
+    return F.interpolate(grid, size=(height, width), mode="bicubic", align_corners=False).permute(0, 2, 3, 1)

@@ -1,10 +1,15 @@
-"""Size-general patches for the backbones deployed checkpoints stand on: Swin in its three copies (Mask2Former /
-OneFormer / MaskDINO's `D2SwinTransformer`, detectron2's `SwinTransformer` as detrex and ViTDet configs use it,
-AdelaiDet / DeepSolo's `adet/modeling/swin`), which share one code. Traced as written, each stage bakes its shift
-mask's window count, each block its padding decision, crop and batch (window_reverse's `int(...)`), patch merging
-and patch embedding their odd-size padding: a graph right only at the dummy's window counts and batch. Modules are
-found by what they have; each replacement computes what the original does, from traced sizes
-(d2export/ops/windows.py), with the original's own submodules.
+"""Size-general patches for the backbones deployed checkpoints stand on.
+
+- Swin in its three copies (Mask2Former / OneFormer / MaskDINO's `D2SwinTransformer`, detectron2's `SwinTransformer`
+  as detrex configs use it, AdelaiDet / DeepSolo's `adet/modeling/swin`), which share one code. Traced as written,
+  each stage bakes its shift mask's window count, each block its padding decision, crop and batch (window_reverse's
+  `int(...)`), patch merging and patch embedding their odd-size padding: a graph right only at the dummy's window
+  counts and batch. Modules are found by what they have; each replacement computes what the original does, from
+  traced sizes (d2export/ops/windows.py), with the original's own submodules.
+- ViTDet (detectron2's `ViT`, as detrex's `dino-vitdet` configs build it): its helpers (detectron2/modeling/backbone/
+  utils.py, imported by name into vit.py and mvit.py) decide the windows' padding and crop, the relative-position
+  table's resizing and the absolute position embedding's resizing with Python `if`s on the sizes. The replacements
+  take over only for traced sizes; eagerly (ints) the originals run.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import torch
 from torch import nn
 
 from d2export.ops import windows
+from d2export.ops.level_shapes import is_size
 from d2export.patching.registry import register_patch
 
 
@@ -125,3 +131,49 @@ register_patch("swin-patch-merging", module=_modules(is_patch_merging),
 register_patch("patch-embed-padding", module=_modules(is_patch_embed),
                why="the image padded to the patch size under Python ifs: the dummy's remainder baked"
                )(patch_embed_forward)
+
+
+# --- ViTDet: detectron2's backbone helpers, wherever vit.py and mvit.py bound them -----------------------------------
+def _helper(name: str) -> tuple[str, ...]:
+    return tuple(f"detectron2.modeling.backbone.{m}.{name}" for m in ("utils", "vit", "mvit"))
+
+
+def _traced(*sizes) -> bool:
+    return any(is_size(s) for s in sizes)
+
+
+@register_patch("vit-window-padding", function=_helper("window_partition"),
+                why="pads to whole windows under a Python if: the dummy's remainder baked")
+def vit_window_partition(x, window_size):
+    if not _traced(*x.shape[1:3]):
+        return NotImplemented
+    x = windows.pad_bottom_right(x, window_size)
+    return windows.partition(x, window_size), (x.shape[1], x.shape[2])
+
+
+@register_patch("vit-window-crop", function=_helper("window_unpartition"),
+                why="crops the padding under a Python if: the dummy's padding baked")
+def vit_window_unpartition(parts, window_size, pad_hw, hw):
+    if not _traced(*pad_hw, *hw):
+        return NotImplemented
+    (padded_h, padded_w), (height, width) = pad_hw, hw
+    batch = parts.shape[0] // (padded_h * padded_w // window_size // window_size)
+    return windows.reverse(parts, window_size, batch, padded_h, padded_w)[:, :height, :width].contiguous()
+
+
+@register_patch("vit-relative-positions", function="detectron2.modeling.backbone.utils.get_rel_pos",
+                why="the relative-position table is resized under a Python if and indexed by Python-int coordinates: "
+                    "global attention baked to the dummy's token grid")
+def vit_rel_pos(q_size, k_size, rel_pos):
+    if not _traced(q_size, k_size) or q_size is not k_size:  # ViTDet's self-attention passes one size twice
+        return NotImplemented
+    return windows.relative_position_table(rel_pos, q_size)
+
+
+@register_patch("vit-position-embedding", function=_helper("get_abs_pos"),
+                why="the absolute position embedding is resized only where the dummy's grid differs from the "
+                    "pretraining one (a Python if): another grid is added the dummy's embedding")
+def vit_abs_pos(abs_pos, has_cls_token, hw):
+    if not _traced(*hw):
+        return NotImplemented
+    return windows.resized_position_embedding(abs_pos, has_cls_token, *hw)
