@@ -4,9 +4,10 @@
         [--sizes 320x320 480x640 640x480] [--batch 320x320 400x256] [--size 640] [--threads 2] [--rounds 3]
         [--samplers gather fused] [--object-mask-threshold 0.2] [--overlap-threshold 0] [--out DIR]
 
-Without --clone, the stand-in of third_party/mask2former (its full-size R-50 configs). One run, one machine:
-1. per task's config (COCO panoptic, COCO instance, ADE20K semantic; seeded random weights, conditioned as the
-   family says): export and verify as `tools/export.py --config mask2former` does, with the first sampler;
+Without --clone, the stand-in of third_party/mask2former (its full-size configs). One run, one machine:
+1. per task's config (COCO panoptic, COCO instance, ADE20K semantic on R-50; `--tasks panoptic-swin`: COCO panoptic
+   on Swin-T; seeded random weights, conditioned as the family says): export and verify as `tools/export.py
+   --config mask2former` does, with the first sampler;
 2. parity at each of --sizes and a --batch of two, graph against the model's own forward (list[dict] in, its
    ImageList padding, its post-processing): class probabilities, mask probabilities, and the served semantic map
    (d2export/families/_masks.py on the graph's outputs) against the model's `sem_seg` argmax pixel for pixel, the
@@ -32,7 +33,9 @@ from d2export.commandline import parser
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"panoptic": "configs/coco/panoptic-segmentation/maskformer2_R50_bs16_50ep.yaml",
            "instance": "configs/coco/instance-segmentation/maskformer2_R50_bs16_50ep.yaml",
-           "semantic": "configs/ade20k/semantic-segmentation/maskformer2_R50_bs16_160k.yaml"}
+           "semantic": "configs/ade20k/semantic-segmentation/maskformer2_R50_bs16_160k.yaml",
+           # COCO panoptic on Swin-T (window 7), the same path in upstream's clone; not in the default --tasks
+           "panoptic-swin": "configs/coco/panoptic-segmentation/swin/maskformer2_swin_tiny_bs16_50ep.yaml"}
 TIE = 1e-4  # two best class scores this close: a pixel whose class float noise may decide
 
 
@@ -154,7 +157,7 @@ def latency(model, predictors: dict, size: int, rounds: int) -> dict[str, float]
 def main(argv=None) -> int:
     ap = parser("benchmark.py segmentation", __doc__.split("\n\n")[0])
     ap.add_argument("--clone", type=Path, default=None, help="a Mask2Former checkout (default: the stand-in)")
-    ap.add_argument("--tasks", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--tasks", nargs="+", default=["panoptic", "instance", "semantic"], choices=list(CONFIGS))
     ap.add_argument("--sizes", nargs="+", default=["320x320", "480x640", "640x480"])
     ap.add_argument("--batch", nargs=2, default=["320x320", "400x256"])
     ap.add_argument("--size", type=int, default=640, help="latency: square picture side")

@@ -368,6 +368,11 @@ def _heatmaps_and_rois(h, w):
     return [randn(n, 3, 14, 14), torch.cat([corner, corner + torch.tensor([w, h]) * (1 + randn(n, 1).abs())], 1)]
 
 
+def _mask_to_size(mask, like):
+    """Deformable-DETR's padding mask of an extra feature level: the first level's resized to the level's size."""
+    return F.interpolate(mask[None].float(), size=like.shape[-2:]).to(torch.bool)[0]
+
+
 def _bitmasks(masks):
     from detectron2.structures import BitMasks
 
@@ -406,6 +411,8 @@ SIZE_GENERAL = {
          _image(), [[0, 2, 3]]),
         (Target(10), lambda x: F.interpolate(x, (7, 9), mode="bilinear", align_corners=True), _image(), [[0, 2, 3]]),
     ],
+    "interpolate-nearest": [(Target(17), _mask_to_size,
+                             lambda h, w: [randn(2, h, w) > 0, randn(1, 1, h // 2 + 1, w // 3 + 2)], [[1, 2], [2, 3]])],
     "group-norm": [(Target(17, "tensorrt", (8, 5)), torch.nn.GroupNorm(3, 6), _image(6), [[0, 2, 3]])],
     "grid-sample": [(Target(15), lambda x, g: F.grid_sample(x, g * 1.2, align_corners=False),
                      lambda h, w: [randn(2, 3, h, w), randn(2, w, h, 2)], [[0, 2, 3], [0, 1, 2]]),
@@ -451,10 +458,54 @@ def test_rewrite_is_size_general_through_apply_patches(name, target, fn, make, d
 # general_through_apply_patches exports the stand-in's modules at one size and runs them at others (TorchScript-based
 # exporter); tests/test_export_pipeline.py::test_torch_export_based_exporter_is_size_and_batch_general does the same
 # for the whole tiny model through torch.export, where reference points and proposals fail to export without them.
-MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-level", "encoder-proposals-per-level"}
+MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-level", "encoder-proposals-per-level",
+                  # tests/test_swin_backbone.py: upstream's Swin exported at one size, run at others and batches
+                  "swin-shift-mask", "swin-window-sizes", "swin-patch-merging", "patch-embed-padding"}
+# tests/test_vit_backbone.py: detectron2's ViT, whose helpers these replace, exported at one grid, run at others
+VIT_HELPER_PATCHES = {"vit-window-padding", "vit-window-crop", "vit-relative-positions", "vit-position-embedding"}
 
 
 def test_every_registered_patch_has_a_size_general_test():
-    untested = {p.name for p in REGISTRY} - set(SIZE_GENERAL) - MODULE_PATCHES
+    untested = {p.name for p in REGISTRY} - set(SIZE_GENERAL) - MODULE_PATCHES - VIT_HELPER_PATCHES
     assert not untested, f"add a case to SIZE_GENERAL for {sorted(untested)}"
     assert all(REGISTRY[name].kind == "module" for name in MODULE_PATCHES)
+
+
+def _nearest_session(only) -> ort.InferenceSession:
+    f = io.BytesIO()
+    axes = {"m": {0: "n", 1: "h", 2: "w"}, "y": {2: "a", 3: "b"}, "o": {0: "n", 1: "a", 2: "b"}}
+    with apply_patches(only=only), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(_Mask(), (torch.zeros(2, 20, 28, dtype=torch.bool), torch.zeros(1, 1, 3, 4)), f,
+                          input_names=["m", "y"], output_names=["o"], dynamic_axes=axes, dynamo=False,
+                          opset_version=17)
+    return ort.InferenceSession(f.getvalue(), providers=["CPUExecutionProvider"])
+
+
+class _Mask(torch.nn.Module):
+    def forward(self, mask, like):
+        return _mask_to_size(mask, like)
+
+
+def test_nearest_resize_picks_torchs_rows_at_every_size_pair():
+    """Every (input, output) row count pair from 8 to 59 input rows, shrinking and growing: the rewritten graph picks
+    torch's rows at all of them; onnxruntime's own Resize picks others at some (its index dst / (out / in) floors
+    one lower where torch's dst * (in / out) lands on an integer)."""
+    rewritten, plain = _nearest_session(["interpolate-nearest"]), _nearest_session([])
+    differ = {"rewritten": 0, "plain": 0}
+    for rows in range(8, 60):
+        mask = torch.arange(rows)[None, :, None].expand(1, rows, 3) % 2 == 0  # alternate rows: any shift shows
+        for out in range(1, rows + 12):
+            like = torch.zeros(1, 1, out, 1)
+            want = _Mask()(mask, like).numpy()
+            for name, session in (("rewritten", rewritten), ("plain", plain)):
+                got = session.run(None, {"m": mask.numpy(), "y": like.numpy()})[0]
+                differ[name] += int(not np.array_equal(got, want))
+    assert differ["rewritten"] == 0 and differ["plain"] > 10, differ
+
+
+def test_nearest_rewrite_leaves_eager_calls_to_torch():
+    x = torch.rand(1, 2, 9, 7)
+    with apply_patches(only=["interpolate-nearest"]) as report:
+        out = F.interpolate(x, size=(4, 5))
+    assert torch.equal(out, F.interpolate(x, size=(4, 5))) and report["interpolate-nearest"].hits == 0

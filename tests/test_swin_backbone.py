@@ -182,9 +182,13 @@ class LookAlike(nn.Module):
 def test_patches_touch_only_swin_modules():
     assert not any(check(LookAlike()) for check in (backbones.is_swin_block, backbones.is_swin_stage,
                                                     backbones.is_patch_merging, backbones.is_patch_embed))
-    resnet = __import__("torchvision").models.resnet18()
-    vit = __import__("torchvision").models.vit_b_16()
-    for model in (resnet, vit, LookAlike()):
+    import timm
+    import torchvision
+
+    # other code of the same names: timm's Swin (its own window code), ViT, ConvNeXt and FocalNet, torchvision's
+    others = [timm.create_model(name, pretrained=False) for name in
+              ("swin_tiny_patch4_window7_224", "vit_tiny_patch16_224", "convnext_atto", "focalnet_tiny_srf")]
+    for model in (torchvision.models.resnet18(), torchvision.models.swin_t(), *others, LookAlike()):
         with apply_patches(model=model, only=SWIN_PATCHES) as report:
             pass
         assert all(r.sites == 0 for r in report.records if r.name in SWIN_PATCHES), model.__class__.__name__
@@ -240,3 +244,41 @@ def test_torch_export_traces_the_patched_backbone_size_generally():
     session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
     for case in [(1, 224, 224), (1, 64, 64), (1, 333, 313), (3, 192, 256)]:
         assert worst(session, model, *case) < BOUND, case
+
+
+def test_deepsolo_on_swin_exports_verified_at_sizes_and_a_mixed_batch(tmp_path):
+    """DeepSolo's own Swin-T (depths 2/2/6/2, window 7; build_swin_backbone, imported as upstream's train_net does),
+    on the tiny DeepSolo head. No size divisibility: every size pads inside the backbone. The mixed batch (224x224
+    with 333x313) also needs `interpolate-nearest`: the extra level's padding mask."""
+    built = pipeline.prepare(load("deepsolo_swin_tiny", [f"export.output_dir={tmp_path}", "export.lint=false",
+                                                         "verify.sizes=[[224,224],[64,64],[333,313],[256,192]]"]))
+    manifest = pipeline.export(built.cfg, built=built)
+    assert manifest.verification["passed"]
+    assert any(c["case"] == "batch 224x224+333x313" for c in manifest.verification["cases"])
+    hits = {p["name"]: p["hits"] for p in manifest.patches}
+    assert all(hits[name] for name in SWIN_PATCHES + ["interpolate-nearest"]), hits
+
+
+def test_dinat_is_refused_in_one_line_naming_why_and_what_serves(monkeypatch):
+    """OneFormer's DiNAT builds natten's neighbourhood attention: where natten is missing (stood in for import, as
+    `plugin.import_only` does for OneFormer), building it says why it cannot export and what would."""
+    import importlib.util
+    import sys
+
+    from d2export.patching import compiled_ops
+
+    if importlib.util.find_spec("natten") is not None:
+        pytest.skip("natten is installed here: its own ops run")
+    monkeypatch.delitem(sys.modules, "natten", raising=False)
+    compiled_ops.install([], import_only=["natten"])
+    try:
+        from natten import NeighborhoodAttention2D
+
+        with pytest.raises(RuntimeError) as refused:
+            NeighborhoodAttention2D(dim=8, kernel_size=7, dilation=1, num_heads=2)
+        message = str(refused.value)
+        assert "\n" not in message and "DiNAT" in message and "Swin or ConvNeXt" in message, message
+    finally:
+        compiled_ops._finder.names.discard("natten")
+        compiled_ops._import_only.discard("natten")
+        sys.modules.pop("natten", None)

@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from d2export.ops.level_shapes import size_tensor
+
 _set_item = torch._C.TensorBase.__setitem__  # the builtin, whatever torch.Tensor.__setitem__ is patched to
 
 
@@ -254,6 +256,20 @@ def interpolate_bilinear(x: Tensor, size=None, scale_factor=None, align_corners:
     wh = _linear_weights(h, oh, align_corners, scales[0], x)
     ww = _linear_weights(w, ow, align_corners, scales[1], x)
     return wh @ x @ ww.t()
+
+
+def interpolate_nearest(x: Tensor, size) -> Tensor:
+    """F.interpolate(mode="nearest", size=...) as one Gather per resized axis, each source index computed exactly as
+    torch's CPU and CUDA kernels compute it: min(floor(float(dst) * (float(in) / float(out))), in - 1), in float32.
+    onnxruntime's Resize divides by out / in instead, which floors some indices one lower (114 of 3,895 size pairs
+    from 8 to 89 rows): a padding mask resized so is wrong by a row at those sizes."""
+    sizes = list(size) if isinstance(size, (list, tuple)) else [size] * (x.dim() - 2)
+    for axis, out in enumerate(sizes, start=2):
+        n = size_tensor(x.shape[axis]).to(x.device)
+        scale = n.to(torch.float32) / size_tensor(out).to(device=x.device, dtype=torch.float32)
+        at = torch.arange(out, device=x.device).to(torch.float32)
+        x = x.index_select(axis, torch.minimum(torch.floor(at * scale).to(torch.int64), n - 1))
+    return x
 
 
 # ------------------------------------------------------------------------------------------------- normalisation

@@ -57,11 +57,11 @@ def is_patch_merging(module) -> bool:
 
 
 def is_patch_embed(module) -> bool:
-    """A patch embedding that pads the image to its patch size: a convolution whose kernel is its stride."""
+    """A patch embedding that pads the image to its patch size, then convolves with the patch size as stride (Swin's;
+    FocalNet's too, whose overlapping variant has a larger kernel), forward(x) returning the map."""
     proj = getattr(module, "proj", None)
-    return (isinstance(proj, nn.Conv2d) and tuple(proj.kernel_size) == tuple(proj.stride)
-            == _pair(getattr(module, "patch_size", None)) and hasattr(module, "embed_dim") and hasattr(module, "norm")
-            and _forward_args(module) == ["x"])
+    return (isinstance(proj, nn.Conv2d) and tuple(proj.stride) == _pair(getattr(module, "patch_size", None))
+            and hasattr(module, "embed_dim") and hasattr(module, "norm") and _forward_args(module) == ["x"])
 
 
 def _pair(x):

@@ -70,7 +70,11 @@ def ms_deform_attn_backward(value, spatial_shapes, level_start_index, sampling_l
 # (`mask2former/__init__` imports its COCO evaluator, whose `fast_eval_api` imports it), OneFormer's `natten` (the
 # DiNAT backbone; no wheel for most platforms) and `wandb` (training logs). Their stand-ins make imports succeed:
 # any name imported from them is a placeholder that says what is missing when called.
-IMPORT_ONLY_WHY = {"detectron2._C": "detectron2 was installed without its compiled ops (_C)"}
+IMPORT_ONLY_WHY = {
+    "detectron2._C": "detectron2 was installed without its compiled ops (_C)",
+    "natten": "natten is not installed: DiNAT's neighbourhood attention is natten's compiled op, which d2export has "
+              "no traceable form of; export the model's Swin or ConvNeXt config instead",
+}
 _import_only: set[str] = set()
 
 

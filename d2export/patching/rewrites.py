@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from d2export.ops import level_shapes
 from d2export.ops import rewrites as ops
 from d2export.patching.registry import Needs, register_patch
 
@@ -113,6 +114,19 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
     if mode != "bilinear" or antialias or input.dim() != 4:
         return NotImplemented
     return ops.interpolate_bilinear(input, size, scale_factor, bool(align_corners), recompute_scale_factor)
+
+
+@register_patch("interpolate-nearest", function="torch.nn.functional.interpolate",
+                why="mode='nearest' to traced sizes exports to a Resize whose source index (dst / (out / in)) floors "
+                    "one lower than torch's (dst * (in / out)) at some sizes: a padding mask resized for another "
+                    "feature level (Deformable-DETR, TESTR, DeepSolo) is off by a row, silently")
+def interpolate_nearest(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                        recompute_scale_factor=None, antialias=False):
+    if mode != "nearest" or size is None or scale_factor is not None or not 3 <= input.dim() <= 5:
+        return NotImplemented
+    if not (torch.jit.is_tracing() or level_shapes.holds_size(size if isinstance(size, (list, tuple)) else [size])):
+        return NotImplemented  # eagerly, torch's own kernel
+    return ops.interpolate_nearest(input, size)
 
 
 @register_patch("group-norm", function="torch.nn.functional.group_norm",
