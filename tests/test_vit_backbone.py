@@ -120,3 +120,19 @@ def test_eagerly_the_originals_run(vit):
     records = {r.name: r for r in report.records if r.name in VIT_PATCHES}
     assert all(r.hits == 0 and r.deferred > 0 for r in records.values()), {n: (r.hits, r.deferred)
                                                                           for n, r in records.items()}
+
+
+def test_dino_on_vitdet_exports_verified_at_sizes_and_a_mixed_batch(tmp_path):
+    """detrex's DINO on ViTDet (the stand-in's dino-vitdet config: detectron2's ViT under SimpleFeaturePyramid, no
+    square padding): traced at 224x224, verified at the relative positions' grid, odd sizes, a transposed pair and
+    a batch of 224x224 with 333x313."""
+    from d2export import pipeline
+    from d2export.config import load
+
+    built = pipeline.prepare(load("dino_vitdet_tiny", [f"export.output_dir={tmp_path}", "export.lint=false",
+                                                       "verify.sizes=[[256,256],[333,313],[320,256],[256,320]]"]))
+    manifest = pipeline.export(built.cfg, built=built)
+    assert manifest.verification["passed"]
+    assert any(c["case"].startswith("batch") for c in manifest.verification["cases"])
+    hits = {p["name"]: p["hits"] for p in manifest.patches}
+    assert all(hits[name] for name in VIT_PATCHES), hits
