@@ -461,12 +461,14 @@ def test_rewrite_is_size_general_through_apply_patches(name, target, fn, make, d
 MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-level", "encoder-proposals-per-level",
                   # tests/test_swin_backbone.py: upstream's Swin exported at one size, run at others and batches
                   "swin-shift-mask", "swin-window-sizes", "swin-patch-merging", "patch-embed-padding"}
-# tests/test_vit_backbone.py: detectron2's ViT, whose helpers these replace, exported at one grid, run at others
-VIT_HELPER_PATCHES = {"vit-window-padding", "vit-window-crop", "vit-relative-positions", "vit-position-embedding"}
+# Patches of what upstream code it takes to exercise, tested size-general with that code elsewhere: detectron2's ViT,
+# whose helpers these replace (tests/test_vit_backbone.py), and the stand-in's DCNv3 Function (tests/test_dcnv3.py)
+TESTED_WITH_UPSTREAM_CODE = {"vit-window-padding", "vit-window-crop", "vit-relative-positions",
+                             "vit-position-embedding", "dcnv3-core"}
 
 
 def test_every_registered_patch_has_a_size_general_test():
-    untested = {p.name for p in REGISTRY} - set(SIZE_GENERAL) - MODULE_PATCHES - VIT_HELPER_PATCHES
+    untested = {p.name for p in REGISTRY} - set(SIZE_GENERAL) - MODULE_PATCHES - TESTED_WITH_UPSTREAM_CODE
     assert not untested, f"add a case to SIZE_GENERAL for {sorted(untested)}"
     assert all(REGISTRY[name].kind == "module" for name in MODULE_PATCHES)
 

@@ -177,3 +177,27 @@ def vit_abs_pos(abs_pos, has_cls_token, hw):
     if not _traced(*hw):
         return NotImplemented
     return windows.resized_position_embedding(abs_pos, has_cls_token, *hw)
+
+
+# --- InternImage: DCNv3's compiled op, called through an autograd Function ----------------------------------------------
+_DCNV3_ARGS = ["input", "offset", "mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
+               "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step"]
+
+
+def is_dcnv3_function(cls) -> bool:
+    """An autograd Function with the compiled DCNv3 op's arguments (InternImage's, detrex's `DCNv3Function`)."""
+    try:
+        return list(inspect.signature(cls.forward).parameters)[1:] == _DCNV3_ARGS
+    except (TypeError, ValueError):
+        return False
+
+
+@register_patch("dcnv3-core", autograd=is_dcnv3_function,
+                why="DCNv3's compiled op (detrex._C / InternImage's DCNv3 extension) has no CPU kernel and cannot be "
+                    "traced through its autograd Function: d2export's pure-PyTorch DCNv3 instead")
+def dcnv3_apply(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                group, group_channels, offset_scale, im2col_step):
+    from d2export.ops.dcnv3 import dcnv3
+
+    return dcnv3(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                 group, group_channels, offset_scale)

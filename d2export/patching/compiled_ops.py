@@ -3,7 +3,8 @@
 Research code imports its CUDA extension at module import (`from adet import _C`). Where that extension was never
 built, or was built without a CPU kernel, the user's model cannot even be imported on a CPU machine. A meta-path
 finder placed *after* the real ones answers for the configured names only when nothing else does, with a module whose
-`ms_deform_attn_forward` / `ms_deform_attn_backward` run d2export's pure-PyTorch core.
+`ms_deform_attn_forward` / `ms_deform_attn_backward` run d2export's pure-PyTorch core, and whose `dcnv3_forward` /
+`dcnv3_backward` run its DCNv3 (detrex's `_C` holds both ops; InternImage backbones call the second).
 """
 from __future__ import annotations
 
@@ -66,6 +67,26 @@ def ms_deform_attn_backward(value, spatial_shapes, level_start_index, sampling_l
     return torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
 
 
+def dcnv3_forward(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                  group, group_channels, offset_scale, im2col_step):
+    """The compiled DCNv3 op's forward contract (im2col_step only splits the CUDA op's work)."""
+    from d2export.ops.dcnv3 import dcnv3
+
+    return dcnv3(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                 group, group_channels, offset_scale)
+
+
+def dcnv3_backward(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                   group, group_channels, offset_scale, grad_output, im2col_step):
+    """The compiled DCNv3 op's backward contract: (grad_input, grad_offset, grad_mask), by differentiating the
+    forward again."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (input, offset, mask)]
+        out = dcnv3_forward(*leaves, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                            group, group_channels, offset_scale, im2col_step)
+        return torch.autograd.grad(out, leaves, grad_output, allow_unused=True)
+
+
 # Modules that research code imports at module level for something the exported model never runs: detectron2's `_C`
 # (`mask2former/__init__` imports its COCO evaluator, whose `fast_eval_api` imports it), OneFormer's `natten` (the
 # DiNAT backbone; no wheel for most platforms) and `wandb` (training logs). Their stand-ins make imports succeed:
@@ -111,6 +132,8 @@ def make_stand_in(name: str) -> types.ModuleType:
         module = types.ModuleType(name, f"d2export stand-in for the compiled MSDA extension {name!r}")
         module.ms_deform_attn_forward = ms_deform_attn_forward
         module.ms_deform_attn_backward = ms_deform_attn_backward
+        module.dcnv3_forward = dcnv3_forward  # detrex's and InternImage's DCNv3 share the extension's namespace
+        module.dcnv3_backward = dcnv3_backward
     module.__d2export_stand_in__ = True
     return module
 
