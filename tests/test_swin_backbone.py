@@ -200,7 +200,7 @@ def test_patches_touch_only_swin_modules():
     assert "forward" not in vars(stage)  # restored
 
 
-# --- the whole Mask2Former on Swin, through the pipeline ---------------------------------------------------------------
+# --- the whole Mask2Former on Swin, through the pipeline --------------------------------------------------------------
 @pytest.mark.parametrize("window, sizes", [
     (7, "[[224,224],[64,64],[333,313],[256,192],[192,256]]"),
     (12, "[[384,384],[64,64],[333,313]]"),

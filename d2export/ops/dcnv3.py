@@ -8,8 +8,9 @@ kernel points, a bilinear sample (zero padding, align_corners=False) of the grou
     y = i·stride_h + (dil_h·(kh − 1)) // 2 + 0.5 + (b·dil_h − (dil_h·(kh − 1)) // 2)·s + offset_y·s − pad_h
 
 (continuous coordinates of the unpadded input, pixel p spanning [p, p + 1); s = offset_scale; kernel points ordered
-with a, the column, outer), each weighted by its mask value and summed over the points. offset [N, H_out, W_out, G·K·2] holds (x, y) per point, mask
-[N, H_out, W_out, G·K]. Output sizes follow the traced input: (H + 2·pad − dil·(k − 1) − 1) // stride + 1.
+with a, the column, outer), each weighted by its mask value and summed over the points. offset [N, H_out, W_out,
+G·K·2] holds (x, y) per point, mask [N, H_out, W_out, G·K]. Output sizes follow the traced input:
+(H + 2·pad − dil·(k − 1) − 1) // stride + 1.
 """
 from __future__ import annotations
 

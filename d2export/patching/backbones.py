@@ -179,7 +179,7 @@ def vit_abs_pos(abs_pos, has_cls_token, hw):
     return windows.resized_position_embedding(abs_pos, has_cls_token, *hw)
 
 
-# --- InternImage: DCNv3's compiled op, called through an autograd Function ----------------------------------------------
+# --- InternImage: DCNv3's compiled op, called through an autograd Function --------------------------------------------
 _DCNV3_ARGS = ["input", "offset", "mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
                "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step"]
 

@@ -1,7 +1,7 @@
 # DINO on ViTDet's backbone, shrunk for tests, built as detrex's dino-vitdet configs build it: detectron2's own ViT
 # (windowed and global blocks, relative positions, a position embedding pretrained at 224) under detectron2's
-# SimpleFeaturePyramid, with dino_tiny's thin transformer. ViT: 64 wide, 4 blocks (0 and 2 windowed, window 7),
-# relative positions sized for 256x256 pictures.
+# SimpleFeaturePyramid, with dino_tiny's thin transformer (models/dino_thin.py). ViT: 64 wide, 4 blocks (0 and 2
+# windowed, window 7), relative positions sized for 256x256 pictures.
 from functools import partial
 
 import torch.nn as nn
@@ -10,23 +10,7 @@ from detectron2.layers import ShapeSpec
 from detectron2.modeling.backbone.fpn import LastLevelMaxPool
 from detectron2.modeling.backbone.vit import SimpleFeaturePyramid, ViT
 
-from omegaconf import OmegaConf
-
-from detrex.config import get_config
-
-from ..models.dino_r50 import model
-
-dataloader = get_config("common/data/coco_detr.py").dataloader
-train = OmegaConf.create(dict(init_checkpoint="", output_dir="./output/dino_vitdet_tiny", device="cuda"))
-dataloader.test.mapper.augmentation[0].short_edge_length = 160
-dataloader.test.mapper.augmentation[0].max_size = 256
-
-model.transformer.encoder.num_layers = 1  # dino_tiny's transformer
-model.transformer.decoder.num_layers = 1
-model.transformer.encoder.feedforward_dim = 128
-model.transformer.decoder.feedforward_dim = 128
-model.num_queries = 30
-model.select_box_nums_for_evaluation = 20
+from ..models.dino_thin import dataloader, model, train  # noqa: F401 - read by LazyConfig
 
 model.backbone = L(SimpleFeaturePyramid)(
     net=L(ViT)(img_size=256, patch_size=16, embed_dim=64, depth=4, num_heads=2, drop_path_rate=0.0, window_size=7,
