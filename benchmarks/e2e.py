@@ -214,8 +214,17 @@ def model_macs(module, args) -> float:
         return 2 * 4 * n * c * int(np.prod(grid_shape[1:-1]))  # counted as flops, 2 per multiply-add
 
     counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.grid_sampler_2d: grid_sample_flops})
-    with torch.no_grad(), counter:
-        module(*args)
+    # the counter's module tracker hooks module inputs that require grad, which fails under no_grad for a parameter
+    # handed to a submodule as an input (Swin's and DeepSolo's code do): parameters stop requiring grad meanwhile
+    needing = [p for p in module.parameters() if p.requires_grad]
+    try:
+        for p in needing:
+            p.requires_grad_(False)
+        with torch.no_grad(), counter:
+            module(*args)
+    finally:
+        for p in needing:
+            p.requires_grad_(True)
     return counter.get_total_flops() / 2
 
 
