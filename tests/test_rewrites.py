@@ -373,6 +373,13 @@ def _mask_to_size(mask, like):
     return F.interpolate(mask[None].float(), size=like.shape[-2:]).to(torch.bool)[0]
 
 
+def _checkpointed(x):
+    """A block under gradient checkpointing, as ViTAEv2 and Swin (use_checkpoint) call it."""
+    import torch.utils.checkpoint as checkpoint
+
+    return checkpoint.checkpoint(lambda t: torch.tanh(t) * t.shape[0], x, use_reentrant=False)
+
+
 def _bitmasks(masks):
     from detectron2.structures import BitMasks
 
@@ -413,6 +420,7 @@ SIZE_GENERAL = {
     ],
     "interpolate-nearest": [(Target(17), _mask_to_size,
                              lambda h, w: [randn(2, h, w) > 0, randn(1, 1, h // 2 + 1, w // 3 + 2)], [[1, 2], [2, 3]])],
+    "checkpoint-inline": [(Target(17), _checkpointed, lambda h, w: [randn(h, w, 4)], [[0, 1]])],
     "group-norm": [(Target(17, "tensorrt", (8, 5)), torch.nn.GroupNorm(3, 6), _image(6), [[0, 2, 3]])],
     "grid-sample": [(Target(15), lambda x, g: F.grid_sample(x, g * 1.2, align_corners=False),
                      lambda h, w: [randn(2, 3, h, w), randn(2, w, h, 2)], [[0, 2, 3], [0, 1, 2]]),

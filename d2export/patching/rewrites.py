@@ -129,6 +129,15 @@ def interpolate_nearest(input, size=None, scale_factor=None, mode="nearest", ali
     return ops.interpolate_nearest(input, size)
 
 
+@register_patch("checkpoint-inline", function="torch.utils.checkpoint.checkpoint",
+                why="gradient checkpointing (ViTAEv2 calls it whatever the mode) runs the block inside an autograd "
+                    "Function the TorchScript exporter cannot trace (`unordered_map::at`); it only changes the "
+                    "backward, so the export calls the block itself")
+def checkpoint_inline(function, *args, use_reentrant=None, context_fn=None, determinism_check=None, debug=None,
+                      preserve_rng_state=True, **kwargs):
+    return function(*args, **kwargs)
+
+
 @register_patch("group-norm", function="torch.nn.functional.group_norm",
                 when=Needs(runtimes=TENSORRT, version_below=(8, 6)),
                 why="exported as InstanceNormalization + reshapes (fine in onnxruntime, opset 7-21); TensorRT "
