@@ -470,9 +470,10 @@ MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-
                   # tests/test_swin_backbone.py: upstream's Swin exported at one size, run at others and batches
                   "swin-shift-mask", "swin-window-sizes", "swin-patch-merging", "patch-embed-padding"}
 # Patches of what upstream code it takes to exercise, tested size-general with that code elsewhere: detectron2's ViT,
-# whose helpers these replace (tests/test_vit_backbone.py), and the stand-in's DCNv3 Function (tests/test_dcnv3.py)
+# whose helpers these replace (tests/test_vit_backbone.py), the stand-in's DCNv3 Function (tests/test_dcnv3.py) and
+# ViTAEv2's window_reverse (tests/test_swin_backbone.py)
 TESTED_WITH_UPSTREAM_CODE = {"vit-window-padding", "vit-window-crop", "vit-relative-positions",
-                             "vit-position-embedding", "dcnv3-core"}
+                             "vit-position-embedding", "dcnv3-core", "vitae-window-batch"}
 
 
 def test_every_registered_patch_has_a_size_general_test():

@@ -282,3 +282,51 @@ def test_dinat_is_refused_in_one_line_naming_why_and_what_serves(monkeypatch):
         compiled_ops._finder.names.discard("natten")
         compiled_ops._import_only.discard("natten")
         sys.modules.pop("natten", None)
+
+
+_VITAE_WINDOW = '''
+def window_reverse(windows, window_size, H, W):  # as DeepSolo's adet/modeling/vitae_v2/window.py reads the batch
+    B = int(windows.shape[0] / (H * W / window_size / window_size))
+    x = windows.view(B, H // window_size, W // window_size, window_size, window_size, -1)
+    return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(B, H, W, -1)
+'''
+
+
+def test_vitae_window_reverse_takes_the_batch_from_its_input(monkeypatch):
+    """DeepSolo's ViTAEv2 window cells call `window_reverse` (adet/modeling/vitae_v2/window.py, bound by name in
+    NormalCell and ReductionCell), whose int(...) batch bakes a batch of one: here a module of that name holding
+    the same function, traced at batch 1 and run at 2 and 3, with and without the patch."""
+    import sys
+    import types
+
+    names = ["adet", "adet.modeling", "adet.modeling.vitae_v2", "adet.modeling.vitae_v2.window"]
+    for name in names:
+        module = types.ModuleType(name)
+        module.__path__ = []
+        monkeypatch.setitem(sys.modules, name, module)
+    window_module = sys.modules[names[-1]]
+    exec(_VITAE_WINDOW, window_module.__dict__)
+
+    class Cells(nn.Module):
+        def forward(self, x):  # [B, H, W, C] -> windows -> back, through the module's own function
+            return window_module.window_reverse(windows.partition(x, 4) * 2.0, 4, x.shape[1], x.shape[2])
+
+    def graph(only):
+        f = io.BytesIO()
+        with apply_patches(model=Cells(), only=only), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(Cells(), (torch.randn(1, 8, 12, 3),), f, input_names=["x"], output_names=["y"],
+                              opset_version=17, dynamo=False,
+                              dynamic_axes={"x": {0: "b", 1: "h", 2: "w"}, "y": {0: "b", 1: "h", 2: "w"}})
+        return ort.InferenceSession(f.getvalue(), providers=["CPUExecutionProvider"])
+
+    patched, plain = graph(["vitae-window-batch"]), graph([])
+    for batch, h, w in [(2, 8, 12), (3, 16, 4)]:
+        x = torch.randn(batch, h, w, 3)
+        want = (x * 2.0).numpy()
+        assert np.array_equal(patched.run(None, {"x": x.numpy()})[0], want)
+        try:
+            got = plain.run(None, {"x": x.numpy()})[0]
+        except Exception:  # noqa: BLE001 - the baked batch failing in onnxruntime
+            continue
+        assert got.shape != want.shape or not np.array_equal(got, want)

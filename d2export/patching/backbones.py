@@ -201,3 +201,18 @@ def dcnv3_apply(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad
 
     return dcnv3(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
                  group, group_channels, offset_scale)
+
+
+# --- ViTAEv2 (DeepSolo's adet/modeling/vitae_v2): its window_reverse reads the batch back as an int -------------------
+_VITAE = "adet.modeling.vitae_v2"
+
+
+@register_patch("vitae-window-batch",
+                function=tuple(f"{_VITAE}.{m}.window_reverse" for m in ("window", "NormalCell", "ReductionCell")),
+                why="window_reverse computes the batch as int(windows / windows per image): a batch of 1 baked "
+                    "(a batch of two is wrong)")
+def vitae_window_reverse(parts, window_size, H, W):
+    if not _traced(H, W):
+        return NotImplemented
+    batch = parts.shape[0] // ((H // window_size) * (W // window_size))
+    return windows.reverse(parts, window_size, batch, H, W)
