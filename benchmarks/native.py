@@ -6,7 +6,7 @@
 - "contracted": the same clones built with contraction (GCC's default): its AVX-512 clone fuses multiply-adds;
 - one build per x86-64 level this CPU runs (x86-64, x86-64-v3, x86-64-v4), clones off: what each clone computes.
 Each is loaded into its own onnxruntime session of one fused node; timed in interleaved rounds (medians), and its
-outputs compared bit for bit with the installed library's. Prints the CPU's features, which decide the clone used.
+outputs compared bit for bit with the installed library's. Prints the CPU and its features, which decide the clone used.
 """
 from __future__ import annotations
 
@@ -19,10 +19,8 @@ import numpy as np
 from benchmarks.e2e import interleaved
 from benchmarks.msda import make_inputs
 from d2export.commandline import parser
+from d2export.cpu import describe_cpu
 from d2export.runtime import custom_ops, native_build
-
-FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile")
-
 
 def builds(folder: Path) -> dict[str, str]:
     """name -> library path: the installed library, the contracted clones and one build per runnable level."""
@@ -45,9 +43,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import onnxruntime as ort
 
-    flags = native_build.cpu_flags()
-    print(f"CPU features: {' '.join(f for f in FEATURES if f in flags) or 'baseline x86-64'}; "
-          f"onnxruntime {ort.__version__}, {args.threads} thread(s)")
+    print(f"# {describe_cpu()}; onnxruntime {ort.__version__}, {args.threads} thread(s)")
     model = custom_ops.fused_msda_model()
     with tempfile.TemporaryDirectory() as folder:
         libraries = builds(Path(folder))

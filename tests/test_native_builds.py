@@ -7,8 +7,6 @@ CPU exercises one clone only. Two checks cover the others from any machine:
   fmaf);
 - by running: each level this CPU can run, built alone, returns the installed library's bits and matches the float64
   reference, float32 and float16; so does a build with the compiler's default contraction."""
-import subprocess
-
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -53,16 +51,9 @@ def test_installed_libraries_were_built_without_contraction(installed, level_bui
 def _clone_code(library: str) -> dict[str, str]:
     """clone suffix (avx512f, arch_x86_64_v3, default; "" for a build without clones, where the row is inlined into
     its task) -> the float32 row's disassembly."""
-    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True,
-                             check=True).stdout
-    code: dict[str, str] = {}
-    for block in listing.split("\n\n"):
-        head = block.strip().splitlines()[0] if block.strip() else ""
-        if ("::float_row(" in head or "row_task<float, float>" in head) and head.endswith(">:") \
-                and ".resolver" not in head:
-            clone = head.split("[clone .")[1].split("]")[0] if "[clone ." in head else ""
-            code[clone] = block
-    return code
+    return {(name.split("[clone .")[1].split("]")[0] if "[clone ." in name else ""): code
+            for name, code in native_build.disassembly(library).items()
+            if ("::float_row(" in name or "row_task<float, float>" in name) and ".resolver" not in name}
 
 
 def test_the_levels_compared_are_different_machine_code(installed, level_builds):
@@ -74,11 +65,11 @@ def test_the_levels_compared_are_different_machine_code(installed, level_builds)
     assert set(clones) == {"avx512f", "arch_x86_64_v3", "default"}, sorted(clones)
     builds = {level: _clone_code(level_builds[level])[""] for level in native_build.LEVELS}
     for code in (clones["avx512f"], builds["x86-64-v4"]):
-        assert "%zmm" in code and native_build._FMA.search(code)
+        assert "%zmm" in code and native_build.FMA.search(code)
     for code in (clones["arch_x86_64_v3"], builds["x86-64-v3"]):
-        assert "%ymm" in code and "%zmm" not in code and native_build._FMA.search(code)
+        assert "%ymm" in code and "%zmm" not in code and native_build.FMA.search(code)
     for code in (clones["default"], builds["x86-64"]):
-        assert "%ymm" not in code and not native_build._FMA.search(code) and "fmaf" in code
+        assert "%ymm" not in code and not native_build.FMA.search(code) and "fmaf" in code
 
 
 def _session_of(library: str, model: bytes = custom_ops.fused_msda_model()) -> ort.InferenceSession:

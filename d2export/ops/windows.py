@@ -43,8 +43,10 @@ def partition(x: Tensor, window: int) -> Tensor:
     return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, window, window, c)
 
 
-def reverse(windows: Tensor, window: int, batch, height, width) -> Tensor:
-    """partition's inverse with the batch given (Swin's window_reverse reads it back as an int: a baked batch)."""
+def reverse(windows: Tensor, window: int, height, width) -> Tensor:
+    """partition's inverse, the batch counted from the windows in integer arithmetic (Swin's and ViTAEv2's
+    window_reverse read it back as int(windows / windows per image): a baked batch)."""
+    batch = windows.shape[0] // ((height // window) * (width // window))
     x = windows.reshape(batch, height // window, width // window, window, window, windows.shape[-1])
     return x.permute(0, 1, 3, 2, 4, 5).contiguous().view(batch, height, width, windows.shape[-1])
 

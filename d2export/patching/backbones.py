@@ -10,6 +10,8 @@
   utils.py, imported by name into vit.py and mvit.py) decide the windows' padding and crop, the relative-position
   table's resizing and the absolute position embedding's resizing with Python `if`s on the sizes. The replacements
   take over only for traced sizes; eagerly (ints) the originals run.
+- InternImage's DCNv3: its autograd Function, found by its arguments, replaced by the compiled op's stand-in.
+- ViTAEv2 (DeepSolo's `adet/modeling/vitae_v2`): its window_reverse, which bakes the batch as Swin's does.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from torch import nn
 
 from d2export.ops import windows
 from d2export.ops.level_shapes import is_size
-from d2export.patching.registry import register_patch
+from d2export.patching import compiled_ops
+from d2export.patching.registry import module_where, register_patch
 
 
 def _forward_args(module) -> list[str]:
@@ -82,7 +85,7 @@ def swin_stage_forward(self, x, H, W):
 
 
 def swin_block_forward(self, x, mask_matrix):
-    """Pad to whole windows, (shift,) attend per window, reverse, (unshift,) crop: the batch from the input, the
+    """Pad to whole windows, (shift,) attend per window, reverse, (unshift,) crop: the batch from the tensors, the
     padding and the crop unconditional (no-ops where the map is whole windows)."""
     batch, _, channels = x.shape
     height, width, window, shift = self.H, self.W, self.window_size, self.shift_size
@@ -93,7 +96,7 @@ def swin_block_forward(self, x, mask_matrix):
         x = torch.roll(x, shifts=(-shift, -shift), dims=(1, 2))
     attended = self.attn(windows.partition(x, window).view(-1, window * window, channels),
                          mask=mask_matrix if shift > 0 else None)
-    x = windows.reverse(attended.view(-1, window, window, channels), window, batch, padded_h, padded_w)
+    x = windows.reverse(attended.view(-1, window, window, channels), window, padded_h, padded_w)
     if shift > 0:
         x = torch.roll(x, shifts=(shift, shift), dims=(1, 2))
     x = x[:, :height, :width].reshape(batch, height * width, channels)
@@ -116,19 +119,15 @@ def patch_embed_forward(self, x):
     return x
 
 
-def _modules(has):
-    return lambda name, module: has(module)
-
-
-register_patch("swin-shift-mask", module=_modules(is_swin_stage),
+register_patch("swin-shift-mask", module=module_where(is_swin_stage),
                why="the shifted-window mask is built with np.ceil and Python slices of the feature size: a constant "
                    "of the dummy's window count")(swin_stage_forward)
-register_patch("swin-window-sizes", module=_modules(is_swin_block),
+register_patch("swin-window-sizes", module=module_where(is_swin_block),
                why="window_reverse reads the batch back as an int, and the padding and crop are decided by Python "
                    "ifs: the dummy's batch and padding baked")(swin_block_forward)
-register_patch("swin-patch-merging", module=_modules(is_patch_merging),
+register_patch("swin-patch-merging", module=module_where(is_patch_merging),
                why="odd sizes padded under a Python if: the dummy's parity baked")(patch_merging_forward)
-register_patch("patch-embed-padding", module=_modules(is_patch_embed),
+register_patch("patch-embed-padding", module=module_where(is_patch_embed),
                why="the image padded to the patch size under Python ifs: the dummy's remainder baked"
                )(patch_embed_forward)
 
@@ -157,8 +156,7 @@ def vit_window_unpartition(parts, window_size, pad_hw, hw):
     if not _traced(*pad_hw, *hw):
         return NotImplemented
     (padded_h, padded_w), (height, width) = pad_hw, hw
-    batch = parts.shape[0] // (padded_h * padded_w // window_size // window_size)
-    return windows.reverse(parts, window_size, batch, padded_h, padded_w)[:, :height, :width].contiguous()
+    return windows.reverse(parts, window_size, padded_h, padded_w)[:, :height, :width].contiguous()
 
 
 @register_patch("vit-relative-positions", function="detectron2.modeling.backbone.utils.get_rel_pos",
@@ -192,15 +190,10 @@ def is_dcnv3_function(cls) -> bool:
         return False
 
 
-@register_patch("dcnv3-core", autograd=is_dcnv3_function,
-                why="DCNv3's compiled op (detrex._C / InternImage's DCNv3 extension) has no CPU kernel and cannot be "
-                    "traced through its autograd Function: d2export's pure-PyTorch DCNv3 instead")
-def dcnv3_apply(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
-                group, group_channels, offset_scale, im2col_step):
-    from d2export.ops.dcnv3 import dcnv3
-
-    return dcnv3(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
-                 group, group_channels, offset_scale)
+register_patch("dcnv3-core", autograd=is_dcnv3_function,
+               why="DCNv3's compiled op (detrex._C / InternImage's DCNv3 extension) has no CPU kernel and cannot be "
+                   "traced through its autograd Function: d2export's pure-PyTorch DCNv3 instead (the compiled op's "
+                   "stand-in, which takes the Function's arguments)")(compiled_ops.dcnv3_forward)
 
 
 # --- ViTAEv2 (DeepSolo's adet/modeling/vitae_v2): its window_reverse reads the batch back as an int -------------------
@@ -214,5 +207,4 @@ _VITAE = "adet.modeling.vitae_v2"
 def vitae_window_reverse(parts, window_size, H, W):
     if not _traced(H, W):
         return NotImplemented
-    batch = parts.shape[0] // ((H // window_size) * (W // window_size))
-    return windows.reverse(parts, window_size, batch, H, W)
+    return windows.reverse(parts, window_size, H, W)

@@ -6,15 +6,10 @@ import torch
 
 from d2export.ops import level_shapes
 from d2export.patching import adet_family, msda_swap
-from d2export.patching.registry import register_patch
+from d2export.patching.registry import module_where, register_patch
 
 
-def _modules(has):
-    """The registry's (name, module) predicate from a duck-typing test of the module alone."""
-    return lambda name, module: has(module)
-
-
-register_patch("msda-core", module=_modules(msda_swap.is_msda),
+register_patch("msda-core", module=module_where(msda_swap.is_msda),
                why="compiled MSDA op: no CPU kernel, cannot be traced; the swap also drops a value-dependent assert",
                )(msda_swap.forward)
 
@@ -32,20 +27,20 @@ def _is_level_list(data) -> bool:
     return all(isinstance(x, (list, tuple)) and len(x) == 2 for x in data)
 
 
-register_patch("padding-mask-from-sizes", module=_modules(adet_family.has_mask_out_padding),
+register_patch("padding-mask-from-sizes", module=module_where(adet_family.has_mask_out_padding),
                method="mask_out_padding",
                why="per-image int(np.ceil(h / stride)) bakes the dummy's image sizes into the padding masks",
                )(adet_family.mask_out_padding)
 
 
-@register_patch("reference-points-per-level", module=_modules(adet_family.has_reference_points),
+@register_patch("reference-points-per-level", module=module_where(adet_family.has_reference_points),
                 method="get_reference_points",
                 why="linspace over Python-int level sizes bakes the encoder's reference points")
 def get_reference_points(self, spatial_shapes, valid_ratios, device):  # a static method upstream: no self there
     return adet_family.get_reference_points(spatial_shapes, valid_ratios, device)
 
 
-register_patch("encoder-proposals-per-level", module=_modules(adet_family.has_encoder_proposals),
+register_patch("encoder-proposals-per-level", module=module_where(adet_family.has_encoder_proposals),
                method="gen_encoder_output_proposals",
                why="linspace and view over Python-int level sizes bake the two-stage encoder proposals",
                )(adet_family.gen_encoder_output_proposals)

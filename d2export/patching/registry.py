@@ -89,6 +89,11 @@ def has_attrs(*names: str) -> Callable[[str, Any], bool]:
     return predicate
 
 
+def module_where(has: Callable[[Any], bool]) -> Callable[[str, Any], bool]:
+    """The registry's (name, module) predicate from a duck-typing test of the module alone."""
+    return lambda name, module: has(module)
+
+
 # ---------------------------------------------------------------------------------------------------------- report
 @dataclass
 class PatchRecord:

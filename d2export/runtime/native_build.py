@@ -35,7 +35,7 @@ LEVELS = {
     "x86-64-v4": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),
 }
 # fused multiply-add instructions (FMA3, FMA4, AVX-512), as objdump spells them
-_FMA = re.compile(r"\bv?f(n?)m(add|sub|addsub|subadd)(132|213|231)?[ps][sdh]\b")
+FMA = re.compile(r"\bv?f(n?)m(add|sub|addsub|subadd)(132|213|231)?[ps][sdh]\b")
 
 
 def compiler() -> str | None:
@@ -63,20 +63,17 @@ def build(output: Path, level: str | None = None, contract: bool = False) -> Pat
     return output
 
 
-def fused_multiply_adds(library: str | Path) -> list[str]:
-    """The fused multiply-add instructions in `library`'s code, every clone included (objdump -d), as
-    '<function>: <instruction>' lines; empty when there are none."""
+def disassembly(library: str | Path) -> dict[str, str]:
+    """`library`'s machine code by function (objdump -d, names demangled, clones named '<name> [clone .<target>]')."""
     objdump = shutil.which("objdump")
     if objdump is None:
         raise RuntimeError("no objdump (binutils) to read the library's machine code")
     listing = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(library)], capture_output=True,
                              text=True, check=True).stdout
-    found, function = [], "?"
-    for line in listing.splitlines():
-        if m := re.match(r"[0-9a-f]+ <(.+)>:$", line):
-            function = m.group(1)
-        elif "\t" in line and _FMA.search(line.split("\t")[-1]):
-            found.append(f"{function}: {line.split(chr(9))[-1].strip()}")
+    found = {}
+    for block in listing.split("\n\n"):
+        if m := re.match(r"[0-9a-f]+ <(.+)>:\n", block.strip() + "\n"):
+            found[m.group(1)] = block
     return found
 
 
@@ -97,16 +94,9 @@ def contracts(switches: str) -> bool:
     return not lines or any("-ffp-contract=off" not in ln or "fast-math" in ln or "-Ofast" in ln for ln in lines)
 
 
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.split(":", 1)[-1].split())
-
-
 def runnable_levels() -> list[str]:
     """The LEVELS this CPU can run."""
-    flags = cpu_flags()
+    from d2export.cpu import first_processor  # not at the top: setup.py loads this file before d2export is installed
+
+    flags = set(first_processor().get("flags", "").split())
     return [level for level, needs in LEVELS.items() if set(needs) <= flags]
