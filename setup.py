@@ -175,6 +175,7 @@ setup(
         "Pillow>=9.0",
         "pydantic>=2",  # the manifest's schema, checked when read
         "tqdm>=4",  # progress on long steps
+        "threadpoolctl>=3.1",  # segmentation post-processing: one BLAS thread per band thread
     ],
     extras_require={
         # exporting, verifying, diagnosing, evaluating and training: `pip install 'd2export[export]'`. detectron2 is

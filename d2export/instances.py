@@ -90,7 +90,7 @@ def encode_mask(mask: np.ndarray) -> dict[str, Any]:
         column_major = np.asfortranarray(mask).ravel(order="F").astype(np.int8)
         changes = np.flatnonzero(np.diff(np.concatenate([[0], column_major, [1 - column_major[-1]]])))
         return {"size": list(mask.shape), "counts": np.diff(np.concatenate([[0], changes])).tolist()}
-    rle = coco_mask.encode(np.asfortranarray(mask.astype(np.uint8)))
+    rle = coco_mask.encode(np.asfortranarray(mask, bool).view(np.uint8))  # a column-major mask is not copied
     return {"size": [int(s) for s in rle["size"]], "counts": rle["counts"].decode("ascii")}
 
 

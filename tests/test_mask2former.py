@@ -278,14 +278,26 @@ def test_post_processing_from_the_config_nodes_of_mask2former_maskdino_and_onefo
                         "DATASETS": {"TRAIN": ()}})
 
     mask2former = FAMILY.postprocess(cfg({"MASK_FORMER": {"TEST": test}}))
-    maskdino = FAMILY.postprocess(cfg({"MaskDINO": {"TEST": test | {"PANOPTIC_ON": True}}}))
+    maskdino_test = test | {"PANOPTIC_ON": True, "PANO_TRANSFORM_EVAL": True, "PANO_TEMPERATURE": 0.06,
+                            "TEST_FOUCUS_ON_BOX": False}
+    maskdino = FAMILY.postprocess(cfg({"MaskDINO": {"TEST": maskdino_test, "SEMANTIC_CE_LOSS": True}}))
+    semantic_only = FAMILY.postprocess(cfg({"MaskDINO": {"TEST": maskdino_test | {"PANOPTIC_ON": False},
+                                                         "SEMANTIC_CE_LOSS": True}}))
     oneformer = FAMILY.postprocess(cfg({"TEST": test | {"TASK": "instance", "INSTANCE_ON": False}}))
     assert mask2former["class_scores"] == "softmax" and "task" not in mask2former
     assert mask2former["test_topk_per_image"] == 7 and mask2former["sem_seg_postprocess_before_inference"]
     assert maskdino["class_scores"] == "sigmoid" and maskdino["panoptic_on"]
+    assert maskdino["transform_eval"] and maskdino["panoptic_temperature"] == 0.06 and not maskdino["focus_on_box"]
+    # as MaskDINO's from_config: the cross-entropy semantic scores only where panoptic is off
+    assert not maskdino["semantic_ce_loss"] and semantic_only["semantic_ce_loss"]
     assert oneformer["task"] == "instance" and not oneformer["instance_on"]
-    with pytest.raises(ValueError, match="sigmoid"):  # never served by softmax rules
-        FAMILY.prediction({}, 0, (4, 4), (4, 4), maskdino, 0.0)
+    # never served by softmax rules: K sigmoid classes, not K + 1
+    outputs = {"pred_logits": np.zeros((1, 2, 4), np.float32), "pred_masks": np.zeros((1, 2, 1, 1), np.float32)}
+    with pytest.raises(ValueError, match="4 classes; the manifest says 3$"):
+        FAMILY.prediction(outputs, 0, (4, 4), (4, 4), maskdino, 0.0)
+    with pytest.raises(ValueError, match="the manifest says 3 \\+ 1"):
+        FAMILY.prediction(outputs | {"pred_logits": np.zeros((1, 2, 3), np.float32)}, 0, (4, 4), (4, 4),
+                          mask2former, 0.0)
 
 
 def test_bitmask_boxes_equal_detectron2s_loop_and_follow_the_mask_count_in_a_graph(tmp_path):

@@ -276,17 +276,27 @@ def test_nothing_found(kind, before):
 
 
 @pytest.mark.parametrize("before", [True, False])
-def test_semantic_in_bands_of_rows(before, monkeypatch):
-    # a small budget: the argmax is taken a few rows at a time, and must not change
-    post = post_dict(before, panoptic=False, instance=False)
+def test_results_in_bands_of_rows(before, monkeypatch):
+    # a small budget: every result is made a few rows at a time, the bands on threads or one after the other, and
+    # must not change
+    post = post_dict(before)
     outputs = fake_outputs(4, 2, (32, 40))
-    whole = [_masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post).semantic for i in range(2)]
-    monkeypatch.setattr(_masks, "_CHUNK", 3000)
-    for i, ref in enumerate(reference(standin(), outputs, INPUTS, ORIGINALS, post)):
-        banded = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
-        np.testing.assert_array_equal(banded.semantic, whole[i])
-        np.testing.assert_array_equal(banded.semantic, ref["sem_seg"].argmax(0).numpy())
-        assert banded.panoptic is None and banded.segments is None and banded.instances == []
+    whole = [_masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post) for i in range(2)]
+    monkeypatch.setattr(_masks, "_BAND", 3000)
+    for each in (_masks._each, lambda fn, items: [fn(x) for x in items]):
+        monkeypatch.setattr(_masks, "_each", each)
+        for i, ref in enumerate(reference(standin(), outputs, INPUTS, ORIGINALS, post)):
+            banded = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+            assert len(_masks.Upsampled(outputs["pred_masks"][i], None, None).bands()) > 3  # banded indeed
+            np.testing.assert_array_equal(banded.semantic, whole[i].semantic)
+            np.testing.assert_array_equal(banded.panoptic, whole[i].panoptic)
+            assert banded.segments == whole[i].segments and len(banded.segments) > 1
+            assert [(x.label, x.mask) for x in banded.instances] == [(x.label, x.mask) for x in whole[i].instances]
+            np.testing.assert_allclose([x.score for x in banded.instances], [x.score for x in whole[i].instances],
+                                       rtol=1e-6)
+            diff = differences(banded, ref, INPUTS[i], ORIGINALS[i], before)
+            assert diff == {"semantic_pixels": 0, "panoptic_pixels": 0, "segments_differ": 0, "instances_missing": 0,
+                            "score": pytest.approx(0, abs=1e-6), "mask_pixels": 0}, diff
 
 
 def test_bad_outputs_are_refused():

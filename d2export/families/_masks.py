@@ -34,10 +34,20 @@ Mask2Former's config; every key but class_names required where it is used, none 
                                         the others are stuff
   test_topk_per_image                   instance: (query, class) pairs kept (TEST.DETECTIONS_PER_IMAGE)
   class_names                           contiguous class id → name, for segments and instances (optional)
+  class_scores                          "softmax" (Mask2Former, OneFormer; the default) or "sigmoid" (MaskDINO: K
+                                        classes, no "no object"; `pred_boxes` give the instances' boxes), and then:
+  transform_eval, panoptic_temperature  MaskDINO: panoptic and semantic class scores a softmax of the sigmoids at
+                                        this temperature (PANO_TRANSFORM_EVAL, PANO_TEMPERATURE)
+  semantic_ce_loss                      MaskDINO: semantic classes by a softmax without its last column (as its
+                                        from_config sets it: SEMANTIC_ON, SEMANTIC_CE_LOSS and not PANOPTIC_ON)
+  focus_on_box                          MaskDINO: instances scored by their class alone (TEST_FOUCUS_ON_BOX)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -46,7 +56,7 @@ from d2export.instances import Instance, Prediction, Segment, encode_mask
 
 MASK_STRIDE = 4  # pred_masks is over the padded batch at 1/4 of its size (the pixel decoder's finest level)
 _RESIZE_CHUNK = 1 << 20  # float32 elements a resize step holds per map group: small enough to stay in cache
-_CHUNK = 1 << 24  # float32 elements of per-class scores held at once while the semantic argmax is taken
+_BAND = 1 << 19  # float32 elements of mask probabilities per band of rows: a band is made, used and dropped in cache
 
 
 # resizing -------------------------------------------------------------------------------------------------------------
@@ -159,17 +169,6 @@ def sem_seg_postprocess(result: np.ndarray, img_size: Sequence[int], output_heig
     return resize_bilinear(np.asarray(result)[..., :h, :w], (output_height, output_width))
 
 
-def _masks_at(masks: np.ndarray, padded_hw: tuple[int, int], crop_hw: tuple[int, int] | None = None,
-              out_hw: tuple[int, int] | None = None) -> np.ndarray:
-    """Mask logits upsampled to the padded size, or (given `crop_hw` and `out_hw`) that cropped to `crop_hw` and
-    resized to `out_hw` (sem_seg_postprocess) in one pass: the padded-size masks are never made."""
-    (ph, pw), (mh, mw) = padded_hw, masks.shape[-2:]
-    if crop_hw is None:
-        return _resize(masks, [(_taps(mh, ph), _taps(mw, pw))])
-    (ch, cw), (oh, ow) = crop_hw, out_hw
-    return _resize(masks, [(_then(mh, ph, ch, oh), _then(mw, pw, cw, ow))])
-
-
 def _nearest(ids: np.ndarray, crop_hw: Sequence[int], out_hw: Sequence[int]) -> np.ndarray:
     """[.., Hp, Wp] → cropped to `crop_hw`, resized to `out_hw` as F.interpolate(mode="nearest") picks pixels."""
     def index(size: int, out: int) -> np.ndarray:
@@ -195,6 +194,64 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
     return np.reciprocal(out, out=out)
 
 
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """How class logits become scores. Mask2Former's (and OneFormer's): a softmax whose last class is "no object".
+    MaskDINO's (`sigmoid`): a sigmoid per class, K of them; with `transform_eval` panoptic and semantic scores are a
+    softmax of the sigmoids at `temperature`; `semantic_ce_loss` (semantic-only models trained with cross-entropy)
+    scores semantic classes by a softmax without its last column, as MaskDINO writes it; `focus_on_box` scores
+    instances by their class alone."""
+
+    sigmoid: bool = False
+    transform_eval: bool = False
+    temperature: float = 1.0
+    semantic_ce_loss: bool = False
+    focus_on_box: bool = False
+
+    @classmethod
+    def of(cls, post: dict[str, Any]) -> "Scoring":
+        if post.get("class_scores", "softmax") == "softmax":
+            return cls()
+        if post["class_scores"] != "sigmoid":
+            raise ValueError(f"class_scores {post['class_scores']!r}: softmax or sigmoid")
+        missing = [k for k in ("transform_eval", "panoptic_temperature", "semantic_ce_loss", "focus_on_box")
+                   if k not in post]
+        if missing:
+            raise ValueError(f"the manifest's postprocess has no {', '.join(map(repr, missing))} (MaskDINO's "
+                             "MODEL.MaskDINO.TEST; export it again)")
+        return cls(True, bool(post["transform_eval"]), float(post["panoptic_temperature"]),
+                   bool(post["semantic_ce_loss"]), bool(post["focus_on_box"]))
+
+    @property
+    def extra(self) -> int:
+        """Class columns past the K classes."""
+        return 0 if self.sigmoid else 1
+
+    def _sharpened(self, mask_cls: np.ndarray) -> np.ndarray:
+        scores = sigmoid(mask_cls)
+        return softmax(scores / np.float32(self.temperature)) if self.transform_eval else scores
+
+    def semantic(self, mask_cls: np.ndarray) -> np.ndarray:
+        """[Q, K] weights of the mask probabilities per class."""
+        if self.sigmoid and not self.semantic_ce_loss:
+            return self._sharpened(mask_cls)
+        return softmax(mask_cls)[:, :-1]
+
+    def panoptic(self, mask_cls: np.ndarray, num_classes: int, object_mask_threshold: float):
+        """The queries kept (best class not "no object", its score > the threshold), their classes and scores."""
+        first = sigmoid(mask_cls) if self.sigmoid else softmax(mask_cls)
+        labels, scores = first.argmax(-1), first.max(-1)
+        keep = np.flatnonzero((labels != num_classes) & (scores > object_mask_threshold))
+        if self.sigmoid and self.transform_eval:  # kept by the sigmoids, scored by the sharpened ones
+            sharp = self._sharpened(mask_cls)
+            labels, scores = sharp.argmax(-1), sharp.max(-1)
+        return keep, labels[keep], scores[keep]
+
+    def instance(self, mask_cls: np.ndarray) -> np.ndarray:
+        """[Q, K] class scores the top-k is taken over."""
+        return sigmoid(mask_cls) if self.sigmoid else softmax(mask_cls)[:, :-1]
+
+
 def semantic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, probs: np.ndarray | None = None) -> np.ndarray:
     """[Q, K+1] class logits, [Q, H, W] mask logits → [K, H, W] per-class scores (einsum "qc,qhw->chw" of the class
     probabilities without "no object" and the mask probabilities). `probs`: sigmoid(mask_pred), where known."""
@@ -216,62 +273,169 @@ def _first_max(values) -> np.ndarray:
     return index
 
 
-def _semantic_map(mask_cls: np.ndarray, probs: np.ndarray, crop_hw: tuple[int, int] | None = None,
-                  out_hw: tuple[int, int] | None = None) -> np.ndarray:
-    """The argmax of semantic_inference (postprocessed to `out_hw` from the `crop_hw` corner, where given) as [H, W]
-    int32, a band of rows at a time: the [K, H, W] scores are never all in memory."""
-    classes = softmax(mask_cls)[:, :-1].T  # [K, Q]
-    k, q = classes.shape
-    if crop_hw is None:
-        h, w = probs.shape[-2:]
-        out = np.empty((h, w), np.int32)
-        step = max(1, _CHUNK // (k * w))
-        for s in range(0, h, step):
-            out[s : s + step] = _first_max(classes @ probs[:, s : s + step].reshape(q, -1)).reshape(-1, w)
-        return out
-    (ch, cw), (oh, ow) = crop_hw, out_hw
-    rows, cols = _taps(ch, oh), _taps(cw, ow)
-    out = np.empty((oh, ow), np.int32)
-    step = max(1, _CHUNK // (k * max(ch, ow)))  # output rows at a time
-    for s in range(0, oh, step):
-        if rows is None:
-            first, last, band = s, min(s + step, oh) - 1, None
+class Upsampled:
+    """A picture's mask logits [Q, H, W] as F.interpolate (bilinear, align_corners=False) makes them from the graph's
+    [Q, h, w], made a band of rows at a time: the columns resized once, each band's rows from the few input rows it
+    reads. `after`: (rows, cols) taps resizing the mask probabilities once more (semantic postprocessing after
+    inference: the picture's corner of the padded size to the original), so `probs` bands are of that size."""
+
+    def __init__(self, masks: np.ndarray, rows: Taps | None, cols: Taps | None,
+                 after: tuple[Taps | None, Taps | None] = (None, None)):
+        masks = np.asarray(masks, np.float32)
+        if cols is None:
+            self.columns = masks  # [Q, h, W]
         else:
-            index, weight = (t[s : s + step] for t in rows)
-            first, last = int(index.min()), int(index.max())  # the input rows the band reads
-            band = (index - first, weight)
-        region = probs[:, first : last + 1, :cw]
-        scores = (classes @ region.reshape(q, -1)).reshape(k, last + 1 - first, cw)  # semantic_inference's rows
-        out[s : s + step] = _first_max(_resize(scores, [(band, cols)]))
-    return out
+            self.columns = np.empty((*masks.shape[:-1], len(cols[0])), np.float32)
+            parts = np.array_split(np.arange(len(masks)), min(len(masks), 8))
+            _each(lambda q: _along(masks[q[0] : q[-1] + 1], cols, -1, self.columns[q[0] : q[-1] + 1]), parts)
+        self.rows, self.after = rows, after
+        q, h, w = self.columns.shape
+        self.logits_hw = (h if rows is None else len(rows[0]), w)
+        arows, acols = after
+        self.shape = (q, self.logits_hw[0] if arows is None else len(arows[0]),
+                      w if acols is None else len(acols[0]))
+
+    def logits(self, start: int, stop: int) -> np.ndarray:
+        return _band(self.columns, self.rows, start, stop)
+
+    def probs(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows [start, stop) of the probabilities, and of the logits where they are the same size (no `after`)."""
+        rows, cols = self.after
+        if rows is None and cols is None:
+            logits = self.logits(start, stop)
+            return sigmoid(logits), logits
+        first, last = (start, stop) if rows is None else _reads(rows, start, stop)
+        probs = _along(sigmoid(self.logits(first, last)), cols, -1)
+        return _band(probs, rows, start, stop, first), None
+
+    def whole(self) -> np.ndarray:
+        return self.logits(0, self.logits_hw[0])
+
+    def bands(self) -> list[tuple[int, int]]:
+        q, h, w = self.shape
+        step = max(1, _BAND // (q * w))
+        return [(s, min(s + step, h)) for s in range(0, h, step)]
 
 
-def panoptic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes: int, object_mask_threshold: float,
-                       overlap_threshold: float, thing_ids: Sequence[int], class_names: Sequence[str] = (),
-                       probs: np.ndarray | None = None) -> tuple[np.ndarray, list[Segment]]:
-    """Mask2Former's panoptic_inference: [H, W] int32 segment ids (0: none) and the segments, in upstream's order.
-    The per-pixel competition, areas and overlaps are whole-array operations; only the walk over kept queries, which
-    numbers the segments and merges stuff, is a loop (over scalars)."""
-    probs = sigmoid(mask_pred) if probs is None else probs
-    scores_all = softmax(mask_cls)
-    labels, scores = scores_all.argmax(-1), scores_all.max(-1)
-    keep = np.flatnonzero((labels != num_classes) & (scores > object_mask_threshold))
-    h, w = probs.shape[-2:]
-    panoptic = np.zeros((h, w), np.int32)
-    segments: list[Segment] = []
-    if len(keep) == 0:
-        return panoptic, segments
-    masks = probs[keep]  # [k, H, W]
-    winner = _first_max(score * mask for score, mask in zip(scores[keep], masks))
-    inside = np.take_along_axis(masks, winner[None], 0)[0] >= 0.5  # the winner's own mask covers the pixel
-    mask_area = np.bincount(winner.ravel(), minlength=len(keep))
-    original_area = np.count_nonzero((masks >= 0.5).reshape(len(keep), -1), axis=1)
-    kept_area = np.bincount(winner[inside], minlength=len(keep))
+def _reads(rows: Taps, start: int, stop: int) -> tuple[int, int]:
+    """The input rows [first, last) that output rows [start, stop) read."""
+    index = rows[0][start:stop]
+    return int(index.min()), int(index.max()) + 1
+
+
+def _band(x: np.ndarray, rows: Taps | None, start: int, stop: int, offset: int | None = None) -> np.ndarray:
+    """Output rows [start, stop) of resizing x [Q, h, W] along its rows; `offset`: x holds input rows from there on
+    (the rows the band reads, see _reads), else all of them."""
+    if rows is None:
+        return x[:, start:stop] if offset is None else x
+    index, weight = (t[start:stop] for t in rows)
+    first = int(index.min()) if offset is None else offset
+    part = x[:, first : int(index.max()) + 1] if offset is None else x
+    return _along(part, (index - first, weight), -2)
+
+
+def _masks_at(masks: np.ndarray, padded_hw: tuple[int, int], crop_hw: tuple[int, int] | None = None,
+              out_hw: tuple[int, int] | None = None) -> np.ndarray:
+    """Mask logits upsampled to the padded size, or (given `crop_hw` and `out_hw`) that cropped to `crop_hw` and
+    resized to `out_hw` (sem_seg_postprocess) in one pass: the padded-size masks are never made."""
+    (ph, pw), (mh, mw) = padded_hw, masks.shape[-2:]
+    if crop_hw is None:
+        return Upsampled(masks, _taps(mh, ph), _taps(mw, pw)).whole()
+    (ch, cw), (oh, ow) = crop_hw, out_hw
+    return Upsampled(masks, _then(mh, ph, ch, oh), _then(mw, pw, cw, ow)).whole()
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _each(fn: Callable, items: list) -> list:
+    """fn over items on a thread per core (numpy lets go of the GIL in its array loops); a pool per process, as one
+    made before a fork does not run in the child."""
+    global _pool
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = os.getpid(), ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="d2export-masks")
+    return list(_pool[1].map(fn, items))
+
+
+class _Competition:
+    """Panoptic's per-pixel competition of the kept queries (`keep`, scored `scores`), a band at a time: the winner
+    (first of the highest score × probability, as torch's argmax) and whether its own mask covers the pixel; per kept
+    query its pixels won, its mask's pixels (probability >= 0.5) and the pixels it won and covers."""
+
+    def __init__(self, keep: np.ndarray, scores: np.ndarray, hw: tuple[int, int]):
+        self.keep, self.scores = keep, scores
+        self.winner, self.inside = np.zeros(hw, np.int32), np.zeros(hw, bool)
+
+    def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        masks = probs[self.keep]
+        winner = self.winner[start:stop] = _first_max(score * mask for score, mask in zip(self.scores, masks))
+        inside = self.inside[start:stop] = np.take_along_axis(masks, winner[None], 0)[0] >= 0.5
+        k = len(self.keep)
+        return np.stack([np.bincount(winner.ravel(), minlength=k),
+                         np.count_nonzero((masks >= 0.5).reshape(k, -1), axis=1),
+                         np.bincount(winner[inside], minlength=k)])
+
+
+class _MaskScores:
+    """Instance masks (logit > 0) of the picked queries and the sums of their mean probability over them, a band at a
+    time."""
+
+    def __init__(self, queries: np.ndarray, hw: tuple[int, int]):
+        self.queries = queries
+        self.positive = np.zeros((len(queries), *hw), bool)
+
+    def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        n = len(self.queries)
+        positive = self.positive[:, start:stop] = logits[self.queries] > 0
+        inside = probs[self.queries].reshape(n, -1)
+        inside *= positive.reshape(n, -1)
+        return np.stack([inside.sum(1).astype(np.float64), np.count_nonzero(positive.reshape(n, -1), axis=1)])
+
+
+class _SemanticMap:
+    """semantic_inference's argmax (the first highest class, as torch's), a band at a time."""
+
+    def __init__(self, classes: np.ndarray, hw: tuple[int, int]):
+        self.classes = classes  # [Q, K]: Scoring.semantic
+        self.map = np.zeros(hw, np.int32)
+
+    def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray | None) -> None:
+        q, rows, w = probs.shape
+        scores = probs.reshape(q, -1).T @ self.classes  # [pixels, K]: the argmax along contiguous memory
+        self.map[start:stop] = scores.argmax(-1).reshape(rows, w)
+
+
+def _per_pixel(field: Upsampled, *passes) -> list:
+    """Runs each pass over every band of `field` (threads over bands); per pass, what its bands return summed (None
+    for passes returning nothing). Bands depend on sizes only: results are the same on any number of cores."""
+    def run(band):
+        start, stop = band
+        probs, logits = field.probs(start, stop)
+        return [p.band(start, stop, probs, logits) for p in passes]
+
+    try:  # each thread's BLAS on one core: two threads' matrix products otherwise fight for the same cores
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        parts = _each(run, field.bands())
+    else:
+        with threadpool_limits(1, "blas"):
+            parts = _each(run, field.bands())
+    return [None if parts[0][i] is None else sum(part[i] for part in parts) for i in range(len(passes))]
+
+
+def _segments(competition: _Competition, areas: np.ndarray, labels: np.ndarray, overlap_threshold: float,
+              thing_ids: Sequence[int], class_names: Sequence[str]) -> tuple[np.ndarray, list[Segment]]:
+    """panoptic_inference's walk over the kept queries in order, from the competition's areas: numbers the segments,
+    drops those too covered, merges stuff of one class; the [H, W] int32 segment ids (0: none)."""
+    mask_area, original_area, kept_area = areas
     things = {int(t) for t in thing_ids}
-    segment_of = np.zeros(len(keep) + 1, np.int32)  # kept query → its segment id (0: dropped)
+    segment_of = np.zeros(len(labels) + 1, np.int32)  # kept query → its segment id (0: dropped)
+    segments: list[Segment] = []
     stuff: dict[int, int] = {}
     current = 0
-    for i, label in enumerate(labels[keep].tolist()):
+    for i, label in enumerate(labels.tolist()):
         if not (mask_area[i] > 0 and original_area[i] > 0 and kept_area[i] > 0):
             continue
         if mask_area[i] / original_area[i] < overlap_threshold:
@@ -286,56 +450,94 @@ def panoptic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes:
         segment_of[i] = current
         segments.append(Segment(current, int(label), isthing,
                                 class_names[label] if label < len(class_names) else None))
-    panoptic[inside] = segment_of[winner[inside]]
+    panoptic = np.where(competition.inside, segment_of[competition.winner], 0).astype(np.int32)
     return panoptic, segments
 
 
-def instance_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes: int, test_topk_per_image: int,
-                       panoptic_on: bool, thing_ids: Sequence[int], class_names: Sequence[str] = (),
-                       probs: np.ndarray | None = None,
-                       to_original: Callable[[np.ndarray], np.ndarray] | None = None,
-                       threshold: float | None = None) -> list[Instance]:
-    """Mask2Former's instance_inference: the top `test_topk_per_image` (query, class) pairs by class probability
-    (things only when `panoptic_on`), each with its query's mask (logit > 0, COCO RLE) and score = probability × the
-    mask's mean probability over its pixels. Upstream's topk is unsorted; these are sorted by score, descending
-    (ties: the higher class probability first, then the lower query and class). Boxes stay None (upstream's are
-    zeros). `to_original`: maps a mask to the original picture's pixels before it is encoded; `threshold`: pairs
-    scoring below it are left out (before their masks are encoded)."""
-    q = mask_cls.shape[0]
-    flat = softmax(mask_cls)[:, :-1].reshape(-1)  # [Q·K]: query-major, as upstream's flatten
+def _instance_pairs(mask_cls: np.ndarray, num_classes: int, test_topk_per_image: int, panoptic_on: bool,
+                    thing_ids: Sequence[int], scoring: Scoring):
+    """instance_inference's top (query, class) pairs by class score, things only when panoptic is on."""
+    flat = scoring.instance(mask_cls).reshape(-1)  # [Q·K]: query-major, as upstream's flatten
     top = np.argsort(-flat, kind="stable")[: min(int(test_topk_per_image), flat.size)]  # ties: the lower index
     queries, labels, class_scores = top // num_classes, top % num_classes, flat[top]
     if panoptic_on:
         thing = np.isin(labels, np.asarray(list(thing_ids), np.int64))
         queries, labels, class_scores = queries[thing], labels[thing], class_scores[thing]
-    mask_score = np.zeros(q, np.float32)
-    for j in np.unique(queries):  # one per query however many classes it was picked with
-        positive = mask_pred[j] > 0
-        p = (sigmoid(mask_pred[j]) if probs is None else probs[j])
-        mask_score[j] = np.float32((p * positive).sum()) / np.float32(positive.sum() + 1e-6)
-    scores = class_scores * mask_score[queries]
+    return queries, labels, class_scores
+
+
+def _instances(pairs, masks: _MaskScores, sums: np.ndarray | None, class_names: Sequence[str],
+               to_original: Callable[[np.ndarray], np.ndarray] | None, threshold: float | None,
+               focus_on_box: bool = False, boxes: np.ndarray | None = None) -> list[Instance]:
+    """The pairs scored (class score × their query's mean mask probability, or the class score alone where
+    `focus_on_box`), sorted, their masks encoded; `boxes` [Q, 4] x0 y0 x1 y1 per query, where the model has them."""
+    queries, labels, class_scores = pairs
+    row = {int(j): i for i, j in enumerate(masks.queries)}
+    picked = np.asarray([row[int(j)] for j in queries], np.int64)
+    mean = np.zeros(0, np.float32) if sums is None else (
+        sums[0].astype(np.float32) / (sums[1].astype(np.float32) + np.float32(1e-6)))
+    scores = class_scores if focus_on_box or not len(picked) else class_scores * mean[picked]
     order = np.argsort(-scores, kind="stable")
     if threshold is not None:
         order = order[scores[order].astype(np.float64) >= threshold]  # as the float scores compare
     encoded: dict[int, dict[str, Any]] = {}
     found = []
     for i in order.tolist():
-        j, label = int(queries[i]), int(labels[i])
-        if j not in encoded:
-            positive = mask_pred[j] > 0
-            encoded[j] = encode_mask(to_original(positive) if to_original else positive)
+        m, label = int(picked[i]), int(labels[i])
+        if m not in encoded:
+            positive = masks.positive[m]
+            encoded[m] = encode_mask(to_original(positive) if to_original else positive)
         found.append(Instance(score=float(scores[i]), label=label,
                               class_name=class_names[label] if label < len(class_names) else None,
-                              mask=encoded[j]))
+                              mask=encoded[m], box=None if boxes is None else boxes[queries[i]].tolist()))
     return found
+
+
+def panoptic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes: int, object_mask_threshold: float,
+                       overlap_threshold: float, thing_ids: Sequence[int],
+                       class_names: Sequence[str] = (),
+                       scoring: Scoring = Scoring()) -> tuple[np.ndarray, list[Segment]]:
+    """Mask2Former's panoptic_inference on [Q, K+1] class and [Q, H, W] mask logits (MaskDINO's with its
+    `scoring`): [H, W] int32 segment ids (0: none) and the segments, in upstream's order."""
+    keep, labels, scores = scoring.panoptic(mask_cls, num_classes, object_mask_threshold)
+    competition = _Competition(keep, scores, mask_pred.shape[-2:])
+    if len(keep) == 0:
+        return competition.winner, []
+    (areas,) = _per_pixel(Upsampled(mask_pred, None, None), competition)
+    return _segments(competition, areas, labels, overlap_threshold, thing_ids, class_names)
+
+
+def instance_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes: int, test_topk_per_image: int,
+                       panoptic_on: bool, thing_ids: Sequence[int], class_names: Sequence[str] = (),
+                       to_original: Callable[[np.ndarray], np.ndarray] | None = None,
+                       threshold: float | None = None, scoring: Scoring = Scoring()) -> list[Instance]:
+    """Mask2Former's instance_inference (MaskDINO's, boxes aside, with its `scoring`): the top `test_topk_per_image` (query, class) pairs by class probability
+    (things only when `panoptic_on`), each with its query's mask (logit > 0, COCO RLE) and score = probability × the
+    mask's mean probability over its pixels. Upstream's topk is unsorted; these are sorted by score, descending
+    (ties: the higher class probability first, then the lower query and class). Boxes stay None (upstream's are
+    zeros). `to_original`: maps a mask to the original picture's pixels before it is encoded; `threshold`: pairs
+    scoring below it are left out (before their masks are encoded)."""
+    pairs = _instance_pairs(mask_cls, num_classes, test_topk_per_image, panoptic_on, thing_ids, scoring)
+    masks = _MaskScores(np.unique(pairs[0]), mask_pred.shape[-2:])
+    (sums,) = _per_pixel(Upsampled(mask_pred, None, None), masks) if len(masks.queries) else (None,)
+    return _instances(pairs, masks, sums, class_names, to_original, threshold, scoring.focus_on_box)
+
+
+def _boxes(boxes: np.ndarray, scale_hw: tuple[float, float]) -> np.ndarray:
+    """MaskDINO's box_postprocess: [Q, 4] cx cy w h relative to the padded batch → x0 y0 x1 y1 in the original
+    picture's pixels, the padded size scaled as the picture is (`scale_hw`: the padded size in original pixels)."""
+    cx, cy, w, h = np.asarray(boxes, np.float32).T
+    xyxy = np.stack([cx - 0.5 * w, cy - 0.5 * h, cx + 0.5 * w, cy + 0.5 * h], -1)
+    sh, sw = (np.float32(v) for v in scale_hw)
+    return xyxy * np.array([sw, sh, sw, sh], np.float32)
 
 
 # one picture ----------------------------------------------------------------------------------------------------------
 def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequence[int], original_hw: Sequence[int],
                     post: dict[str, Any], threshold: float = 0.0) -> Prediction:
-    """Row `index` of a batch's `pred_logits` and `pred_masks` → the picture's prediction, as MaskFormer.forward
-    makes it (see the module's docstring for `post`): `semantic`, `panoptic` and `segments`, `instances` as `post`
-    turns them on. `input_hw`: the picture's size in the graph (unpadded), `original_hw` its size before resizing.
+    """Row `index` of a batch's `pred_logits` and `pred_masks` (and MaskDINO's `pred_boxes`) → the picture's
+    prediction, as MaskFormer.forward (MaskDINO.forward) makes it (see the module's docstring for `post`):
+    `semantic`, `panoptic` and `segments`, `instances` as `post` turns them on. `input_hw`: the picture's size in the graph (unpadded), `original_hw` its size before resizing.
     Instances scoring below `threshold` are left out (upstream keeps them all: threshold 0)."""
     mask_cls = np.asarray(outputs["pred_logits"][index], np.float32)
     masks = np.asarray(outputs["pred_masks"][index], np.float32)
@@ -348,31 +550,51 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
             raise ValueError(f"the manifest's postprocess has no {key!r} (see d2export/families/_masks.py)")
         return post[key]
 
-    num_classes = int(value("num_classes"))
-    if mask_cls.shape[-1] != num_classes + 1:
-        raise ValueError(f"pred_logits has {mask_cls.shape[-1]} classes; the manifest says {num_classes} + 1")
+    num_classes, scoring = int(value("num_classes")), Scoring.of(post)
+    if mask_cls.shape[-1] != num_classes + scoring.extra:
+        raise ValueError(f"pred_logits has {mask_cls.shape[-1]} classes; the manifest says {num_classes}"
+                         + " + 1" * scoring.extra)
     before = bool(value("sem_seg_postprocess_before_inference"))
     semantic_on, panoptic_on, instance_on = (bool(value(k)) for k in ("semantic_on", "panoptic_on", "instance_on"))
     thing_ids = list(value("thing_ids")) if panoptic_on else []
     names = list(post.get("class_names") or [])
     prediction = Prediction(oh, ow)
-    if before:
-        mask_pred = _masks_at(masks, padded, (h, w), (oh, ow))
-        back = None
-    else:  # panoptic and instance read the padded masks, as upstream; semantic only the picture's corner
-        mask_pred = _masks_at(masks, padded) if panoptic_on or instance_on else _masks_at(masks, padded, (h, w), (h, w))
+    (mh, mw), (ph, pw) = masks.shape[-2:], padded
+    if before:  # the masks cropped and resized to the original picture, then every inference there
+        field = Upsampled(masks, _then(mh, ph, h, oh), _then(mw, pw, w, ow))
+        semantic_field, back = field, None
+    else:  # panoptic and instance read the padded masks, as upstream; semantic the picture's corner, resized after
+        field = Upsampled(masks, _taps(mh, ph), _taps(mw, pw)) if panoptic_on or instance_on else None
+        semantic_field = Upsampled(masks, _taps(mh, ph, h), _taps(mw, pw, w), after=(_taps(h, oh), _taps(w, ow)))
         back = functools.partial(_nearest, crop_hw=(h, w), out_hw=(oh, ow))
-    del masks
-    probs = sigmoid(mask_pred)
+    passes, semantic, competition, instances = [], None, None, None
     if semantic_on:
-        prediction.semantic = (_semantic_map(mask_cls, probs) if before
-                               else _semantic_map(mask_cls, probs, (h, w), (oh, ow)))
+        semantic = _SemanticMap(scoring.semantic(mask_cls), semantic_field.shape[1:])
+        if semantic_field is not field:
+            _per_pixel(semantic_field, semantic)
+        else:
+            passes.append(semantic)
     if panoptic_on:
-        panoptic, segments = panoptic_inference(mask_cls, mask_pred, num_classes,
-                                                float(value("object_mask_threshold")),
-                                                float(value("overlap_threshold")), thing_ids, names, probs)
-        prediction.panoptic, prediction.segments = (panoptic if back is None else back(panoptic)), segments
+        keep, labels, scores = scoring.panoptic(mask_cls, num_classes, float(value("object_mask_threshold")))
+        competition = _Competition(keep, scores, field.shape[1:])
+        if len(keep):
+            passes.append(competition)
     if instance_on:
-        prediction.instances = instance_inference(mask_cls, mask_pred, num_classes, int(value("test_topk_per_image")),
-                                                  panoptic_on, thing_ids, names, probs, back, threshold)
+        pairs = _instance_pairs(mask_cls, num_classes, int(value("test_topk_per_image")), panoptic_on, thing_ids,
+                                scoring)
+        instances = _MaskScores(np.unique(pairs[0]), field.shape[1:])
+        if len(instances.queries):
+            passes.append(instances)
+    sums = dict(zip(map(id, passes), _per_pixel(field, *passes))) if passes else {}  # one pass over the pixels
+    if semantic is not None:
+        prediction.semantic = semantic.map
+    if competition is not None:
+        panoptic, segments = (_segments(competition, sums[id(competition)], labels,
+                                        float(value("overlap_threshold")), thing_ids, names)
+                              if len(keep) else (competition.winner, []))
+        prediction.panoptic, prediction.segments = (panoptic if back is None else back(panoptic)), segments
+    if instances is not None:
+        boxes = _boxes(outputs["pred_boxes"][index], (ph / h * oh, pw / w * ow)) if scoring.sigmoid else None
+        prediction.instances = _instances(pairs, instances, sums.get(id(instances)), names, back, threshold,
+                                          scoring.focus_on_box, boxes)
     return prediction

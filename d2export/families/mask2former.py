@@ -86,18 +86,12 @@ class Mask2Former(Family):
                 "sem_seg_postprocess_before_inference": bool(test.SEM_SEG_POSTPROCESSING_BEFORE_INFERENCE
                                                              or test.PANOPTIC_ON or test.INSTANCE_ON),
                 "thing_ids": sorted(int(v) for v in things.values()),
-                "class_names": names,
-                # MaskDINO scores each class by a sigmoid, no "no object" class: served by Mask2Former's rules its
-                # results would be wrong, so serving refuses it (the graph's outputs are right)
-                "class_scores": "sigmoid" if hasattr(cfg.MODEL, "MaskDINO") else "softmax"} | (
+                "class_names": names} | _maskdino_scoring(cfg) | (
                     {"task": str(task)} if (task := getattr(cfg.MODEL.get("TEST"), "TASK", None)) else {})
 
     def prediction(self, outputs, index, input_hw, original_hw, post, threshold):
         from d2export.families._masks import mask_prediction
 
-        if post.get("class_scores", "softmax") != "softmax":
-            raise ValueError("this model scores classes by a sigmoid (MaskDINO): its semantic, panoptic and instance "
-                             "post-processing is not served yet; the graph's outputs are its own (docs/exporting.md)")
         return mask_prediction(outputs, index, input_hw, original_hw, post, threshold)
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
@@ -107,6 +101,18 @@ class Mask2Former(Family):
 def _task_conditioned(model) -> bool:
     """OneFormer: the head takes a task embedding beside the features."""
     return hasattr(model, "task_mlp") and hasattr(model, "task_tokenizer")
+
+
+def _maskdino_scoring(cfg) -> dict:
+    """MaskDINO scores classes by a sigmoid, K of them (d2export/families/_masks.py's Scoring), with the settings of
+    its TEST node as its from_config reads them."""
+    if not hasattr(cfg.MODEL, "MaskDINO"):
+        return {"class_scores": "softmax"}
+    node = cfg.MODEL.MaskDINO
+    test = node.TEST
+    return {"class_scores": "sigmoid", "transform_eval": bool(test.PANO_TRANSFORM_EVAL),
+            "panoptic_temperature": float(test.PANO_TEMPERATURE), "focus_on_box": bool(test.TEST_FOUCUS_ON_BOX),
+            "semantic_ce_loss": bool(test.SEMANTIC_ON and node.SEMANTIC_CE_LOSS and not test.PANOPTIC_ON)}
 
 
 def _test_node(cfg):

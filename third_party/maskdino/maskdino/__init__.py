@@ -1,0 +1,1 @@
+"""MaskDINO's inference rules (IDEA-Research/MaskDINO, `maskdino/maskdino.py`), for tests: see ../README.md."""
