@@ -291,6 +291,19 @@ def test_post_processing_from_the_config_nodes_of_mask2former_maskdino_and_onefo
     # as MaskDINO's from_config: the cross-entropy semantic scores only where panoptic is off
     assert not maskdino["semantic_ce_loss"] and semantic_only["semantic_ce_loss"]
     assert oneformer["task"] == "instance" and not oneformer["instance_on"]
+    # OneFormer's instance rules: ADE20K's instance task numbers classes among the things' dataset ids
+    from detectron2.data import MetadataCatalog
+
+    MetadataCatalog.get("d2export_test_ade20k_panoptic_train").thing_dataset_id_to_contiguous_id = {7: 2, 5: 0}
+    one = dict(MODEL={"SEM_SEG_HEAD": {"NUM_CLASSES": 3}, "ONE_FORMER": {}, "IS_DEMO": False,
+                      "TEST": test | {"TASK": "instance", "DETECTION_ON": True}},
+               TEST={"DETECTIONS_PER_IMAGE": 7}, DATASETS={"TRAIN": ("d2export_test_ade20k_panoptic_train",)})
+    ade = FAMILY.postprocess(CfgNode(one))
+    assert ade["instance_label_ids"] == [7, 5] and ade["boxes_from_masks"] and "instance_min_score" not in ade
+    one["MODEL"]["IS_DEMO"] = True
+    demo = FAMILY.postprocess(CfgNode(one))
+    assert demo["instance_min_score"] == 0.8 and "instance_label_ids" not in demo
+    assert "instance_label_ids" not in oneformer and "boxes_from_masks" not in mask2former
     # never served by softmax rules: K sigmoid classes, not K + 1
     outputs = {"pred_logits": np.zeros((1, 2, 4), np.float32), "pred_masks": np.zeros((1, 2, 1, 1), np.float32)}
     with pytest.raises(ValueError, match="4 classes; the manifest says 3$"):

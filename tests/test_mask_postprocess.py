@@ -312,3 +312,34 @@ def test_bad_outputs_are_refused():
     # what a result turned off reads is not needed
     del post["thing_ids"], post["object_mask_threshold"]
     assert _masks.mask_prediction(outputs, 0, (32, 32), (32, 32), post | {"panoptic_on": False}).panoptic is None
+
+
+def test_oneformer_instance_rules():
+    """OneFormer's instance_inference beside Mask2Former's: on ADE20K the instance task numbers a class by its place
+    among the things' dataset ids (upstream's `thing_indices.index(label)`), its demo mode keeps the pairs whose
+    class probability is over the object threshold, DETECTION_ON boxes each mask as detectron2's BitMasks do."""
+    from detectron2.structures import BitMasks
+
+    post = post_dict(True)
+    outputs = fake_outputs(5, 2, (32, 40))
+    refs = reference(standin(), outputs, INPUTS, ORIGINALS, post)
+    ids = [3, 1, 0, 2]  # the thing classes' dataset ids in the metadata's order
+    rules = {"instance_label_ids": ids, "boxes_from_masks": True}
+    for i, ref in enumerate(refs):
+        plain = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+        served = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post | rules)
+        assert len(served.instances) == len(plain.instances) > 1
+        assert [x.label for x in served.instances] == [ids.index(x.label) for x in plain.instances]
+        assert [x.label for x in served.instances] != [x.label for x in plain.instances]
+        assert [x.class_name for x in served.instances] == [x.class_name for x in plain.instances]
+        masks = torch.from_numpy(np.stack([decode_mask(x.mask) for x in served.instances]))
+        np.testing.assert_array_equal([x.box for x in served.instances], BitMasks(masks).get_bounding_boxes().tensor)
+        assert all(x.box is None for x in plain.instances)
+
+        # demo: the top-k pairs by class probability, things, over the threshold (torch on the logits)
+        probs = torch.softmax(torch.from_numpy(outputs["pred_logits"][i]), -1)[:, :-1].flatten()
+        top, index = probs.topk(post["test_topk_per_image"])
+        labels = (index % K).tolist()
+        want = sorted(label for p, label in zip(top.tolist(), labels) if p > 0.9 and label in THINGS)
+        demo = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post | {"instance_min_score": 0.9})
+        assert sorted(x.label for x in demo.instances) == want and 0 < len(want) < len(plain.instances)

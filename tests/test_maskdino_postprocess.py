@@ -93,7 +93,8 @@ def reference(model, outputs, post) -> list[dict]:
 
 
 CASES = {"panoptic, instance, semantic": {}, "no temperature": {"transform": False},
-         "scored by box": {"focus": True}, "semantic only, cross-entropy": dict(panoptic=False, instance=False, ce=True),
+         "scored by box": {"focus": True},
+         "semantic only, cross-entropy": dict(panoptic=False, instance=False, ce=True),
          "semantic after inference": dict(before=False, panoptic=False, instance=False)}
 
 

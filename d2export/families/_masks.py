@@ -195,23 +195,31 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class Scoring:
-    """How class logits become scores. Mask2Former's (and OneFormer's): a softmax whose last class is "no object".
-    MaskDINO's (`sigmoid`): a sigmoid per class, K of them; with `transform_eval` panoptic and semantic scores are a
-    softmax of the sigmoids at `temperature`; `semantic_ce_loss` (semantic-only models trained with cross-entropy)
-    scores semantic classes by a softmax without its last column, as MaskDINO writes it; `focus_on_box` scores
-    instances by their class alone."""
+class Rules:
+    """A model's own rules from class logits to results, where they differ from Mask2Former's (a softmax whose last
+    class is "no object"). MaskDINO's (`sigmoid`): a sigmoid per class, K of them; with `transform_eval` panoptic and
+    semantic scores are a softmax of the sigmoids at `temperature`; `semantic_ce_loss` (semantic-only models trained
+    with cross-entropy) scores semantic classes by a softmax without its last column, as MaskDINO writes it;
+    `focus_on_box` scores instances by their class alone. OneFormer's: `min_class_score` (its demo mode) keeps the
+    instance pairs whose class scores more; `label_ids` (its ADE20K instance task) turns an instance's class into its
+    place among the thing classes' dataset ids; `boxes_from_masks` (its DETECTION_ON) boxes each instance mask."""
 
     sigmoid: bool = False
     transform_eval: bool = False
     temperature: float = 1.0
     semantic_ce_loss: bool = False
     focus_on_box: bool = False
+    min_class_score: float | None = None
+    label_ids: tuple[int, ...] = ()
+    boxes_from_masks: bool = False
 
     @classmethod
-    def of(cls, post: dict[str, Any]) -> "Scoring":
+    def of(cls, post: dict[str, Any]) -> "Rules":
+        oneformer = {"min_class_score": post.get("instance_min_score"),
+                     "label_ids": tuple(int(i) for i in post.get("instance_label_ids") or ()),
+                     "boxes_from_masks": bool(post.get("boxes_from_masks", False))}
         if post.get("class_scores", "softmax") == "softmax":
-            return cls()
+            return cls(**oneformer)
         if post["class_scores"] != "sigmoid":
             raise ValueError(f"class_scores {post['class_scores']!r}: softmax or sigmoid")
         missing = [k for k in ("transform_eval", "panoptic_temperature", "semantic_ce_loss", "focus_on_box")
@@ -398,7 +406,7 @@ class _SemanticMap:
     """semantic_inference's argmax (the first highest class, as torch's), a band at a time."""
 
     def __init__(self, classes: np.ndarray, hw: tuple[int, int]):
-        self.classes = classes  # [Q, K]: Scoring.semantic
+        self.classes = classes  # [Q, K]: Rules.semantic
         self.map = np.zeros(hw, np.int32)
 
     def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray | None) -> None:
@@ -455,11 +463,14 @@ def _segments(competition: _Competition, areas: np.ndarray, labels: np.ndarray, 
 
 
 def _instance_pairs(mask_cls: np.ndarray, num_classes: int, test_topk_per_image: int, panoptic_on: bool,
-                    thing_ids: Sequence[int], scoring: Scoring):
+                    thing_ids: Sequence[int], rules: Rules):
     """instance_inference's top (query, class) pairs by class score, things only when panoptic is on."""
-    flat = scoring.instance(mask_cls).reshape(-1)  # [Q·K]: query-major, as upstream's flatten
+    flat = rules.instance(mask_cls).reshape(-1)  # [Q·K]: query-major, as upstream's flatten
     top = np.argsort(-flat, kind="stable")[: min(int(test_topk_per_image), flat.size)]  # ties: the lower index
     queries, labels, class_scores = top // num_classes, top % num_classes, flat[top]
+    if rules.min_class_score is not None:
+        sure = class_scores > rules.min_class_score
+        queries, labels, class_scores = queries[sure], labels[sure], class_scores[sure]
     if panoptic_on:
         thing = np.isin(labels, np.asarray(list(thing_ids), np.int64))
         queries, labels, class_scores = queries[thing], labels[thing], class_scores[thing]
@@ -468,7 +479,7 @@ def _instance_pairs(mask_cls: np.ndarray, num_classes: int, test_topk_per_image:
 
 def _instances(pairs, masks: _MaskScores, sums: np.ndarray | None, class_names: Sequence[str],
                to_original: Callable[[np.ndarray], np.ndarray] | None, threshold: float | None,
-               focus_on_box: bool = False, boxes: np.ndarray | None = None) -> list[Instance]:
+               rules: Rules = Rules(), boxes: np.ndarray | None = None) -> list[Instance]:
     """The pairs scored (class score × their query's mean mask probability, or the class score alone where
     `focus_on_box`), sorted, their masks encoded; `boxes` [Q, 4] x0 y0 x1 y1 per query, where the model has them."""
     queries, labels, class_scores = pairs
@@ -476,7 +487,7 @@ def _instances(pairs, masks: _MaskScores, sums: np.ndarray | None, class_names: 
     picked = np.asarray([row[int(j)] for j in queries], np.int64)
     mean = np.zeros(0, np.float32) if sums is None else (
         sums[0].astype(np.float32) / (sums[1].astype(np.float32) + np.float32(1e-6)))
-    scores = class_scores if focus_on_box or not len(picked) else class_scores * mean[picked]
+    scores = class_scores if rules.focus_on_box or not len(picked) else class_scores * mean[picked]
     order = np.argsort(-scores, kind="stable")
     if threshold is not None:
         order = order[scores[order].astype(np.float64) >= threshold]  # as the float scores compare
@@ -486,20 +497,37 @@ def _instances(pairs, masks: _MaskScores, sums: np.ndarray | None, class_names: 
         m, label = int(picked[i]), int(labels[i])
         if m not in encoded:
             positive = masks.positive[m]
-            encoded[m] = encode_mask(to_original(positive) if to_original else positive)
-        found.append(Instance(score=float(scores[i]), label=label,
+            positive = to_original(positive) if to_original else positive
+            encoded[m] = encode_mask(positive), _mask_box(positive) if rules.boxes_from_masks else None
+        mask, box = encoded[m]
+        found.append(Instance(score=float(scores[i]), label=_label(label, rules.label_ids),
                               class_name=class_names[label] if label < len(class_names) else None,
-                              mask=encoded[m], box=None if boxes is None else boxes[queries[i]].tolist()))
+                              mask=mask, box=box if boxes is None else boxes[queries[i]].tolist()))
     return found
+
+
+def _label(label: int, ids: Sequence[int]) -> int:
+    """OneFormer's ADE20K instance label: the class's place among the thing classes' dataset ids (upstream's
+    `thing_indices.index`), where it has one."""
+    return ids.index(label) if label in ids else label
+
+
+def _mask_box(mask: np.ndarray) -> list[float]:
+    """detectron2's BitMasks.get_bounding_boxes of one mask: x0 y0 x1 y1, the far edges one past the last pixel;
+    zeros for an empty mask."""
+    rows, cols = np.flatnonzero(mask.any(1)), np.flatnonzero(mask.any(0))
+    if not len(rows):
+        return [0.0, 0.0, 0.0, 0.0]
+    return [float(cols[0]), float(rows[0]), float(cols[-1] + 1), float(rows[-1] + 1)]
 
 
 def panoptic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes: int, object_mask_threshold: float,
                        overlap_threshold: float, thing_ids: Sequence[int],
                        class_names: Sequence[str] = (),
-                       scoring: Scoring = Scoring()) -> tuple[np.ndarray, list[Segment]]:
+                       rules: Rules = Rules()) -> tuple[np.ndarray, list[Segment]]:
     """Mask2Former's panoptic_inference on [Q, K+1] class and [Q, H, W] mask logits (MaskDINO's with its
-    `scoring`): [H, W] int32 segment ids (0: none) and the segments, in upstream's order."""
-    keep, labels, scores = scoring.panoptic(mask_cls, num_classes, object_mask_threshold)
+    `rules`): [H, W] int32 segment ids (0: none) and the segments, in upstream's order."""
+    keep, labels, scores = rules.panoptic(mask_cls, num_classes, object_mask_threshold)
     competition = _Competition(keep, scores, mask_pred.shape[-2:])
     if len(keep) == 0:
         return competition.winner, []
@@ -510,17 +538,18 @@ def panoptic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes:
 def instance_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes: int, test_topk_per_image: int,
                        panoptic_on: bool, thing_ids: Sequence[int], class_names: Sequence[str] = (),
                        to_original: Callable[[np.ndarray], np.ndarray] | None = None,
-                       threshold: float | None = None, scoring: Scoring = Scoring()) -> list[Instance]:
-    """Mask2Former's instance_inference (MaskDINO's, boxes aside, with its `scoring`): the top `test_topk_per_image` (query, class) pairs by class probability
-    (things only when `panoptic_on`), each with its query's mask (logit > 0, COCO RLE) and score = probability × the
-    mask's mean probability over its pixels. Upstream's topk is unsorted; these are sorted by score, descending
-    (ties: the higher class probability first, then the lower query and class). Boxes stay None (upstream's are
-    zeros). `to_original`: maps a mask to the original picture's pixels before it is encoded; `threshold`: pairs
-    scoring below it are left out (before their masks are encoded)."""
-    pairs = _instance_pairs(mask_cls, num_classes, test_topk_per_image, panoptic_on, thing_ids, scoring)
+                       threshold: float | None = None, rules: Rules = Rules()) -> list[Instance]:
+    """Mask2Former's instance_inference (MaskDINO's and OneFormer's, boxes aside, with their `rules`): the top
+    `test_topk_per_image` (query, class) pairs by class probability (things only when `panoptic_on`), each with its
+    query's mask (logit > 0, COCO RLE) and score = probability × the mask's mean probability over its pixels.
+    Upstream's topk is unsorted; these are sorted by score, descending (ties: the higher class probability first, then
+    the lower query and class). Boxes stay None (upstream's are zeros). `to_original`: maps a mask to the original
+    picture's pixels before it is encoded; `threshold`: pairs scoring below it are left out (before their masks are
+    encoded)."""
+    pairs = _instance_pairs(mask_cls, num_classes, test_topk_per_image, panoptic_on, thing_ids, rules)
     masks = _MaskScores(np.unique(pairs[0]), mask_pred.shape[-2:])
     (sums,) = _per_pixel(Upsampled(mask_pred, None, None), masks) if len(masks.queries) else (None,)
-    return _instances(pairs, masks, sums, class_names, to_original, threshold, scoring.focus_on_box)
+    return _instances(pairs, masks, sums, class_names, to_original, threshold, rules)
 
 
 def _boxes(boxes: np.ndarray, scale_hw: tuple[float, float]) -> np.ndarray:
@@ -537,7 +566,8 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
                     post: dict[str, Any], threshold: float = 0.0) -> Prediction:
     """Row `index` of a batch's `pred_logits` and `pred_masks` (and MaskDINO's `pred_boxes`) → the picture's
     prediction, as MaskFormer.forward (MaskDINO.forward) makes it (see the module's docstring for `post`):
-    `semantic`, `panoptic` and `segments`, `instances` as `post` turns them on. `input_hw`: the picture's size in the graph (unpadded), `original_hw` its size before resizing.
+    `semantic`, `panoptic` and `segments`, `instances` as `post` turns them on. `input_hw`: the picture's size in
+    the graph (unpadded), `original_hw` its size before resizing.
     Instances scoring below `threshold` are left out (upstream keeps them all: threshold 0)."""
     mask_cls = np.asarray(outputs["pred_logits"][index], np.float32)
     masks = np.asarray(outputs["pred_masks"][index], np.float32)
@@ -550,10 +580,10 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
             raise ValueError(f"the manifest's postprocess has no {key!r} (see d2export/families/_masks.py)")
         return post[key]
 
-    num_classes, scoring = int(value("num_classes")), Scoring.of(post)
-    if mask_cls.shape[-1] != num_classes + scoring.extra:
+    num_classes, rules = int(value("num_classes")), Rules.of(post)
+    if mask_cls.shape[-1] != num_classes + rules.extra:
         raise ValueError(f"pred_logits has {mask_cls.shape[-1]} classes; the manifest says {num_classes}"
-                         + " + 1" * scoring.extra)
+                         + " + 1" * rules.extra)
     before = bool(value("sem_seg_postprocess_before_inference"))
     semantic_on, panoptic_on, instance_on = (bool(value(k)) for k in ("semantic_on", "panoptic_on", "instance_on"))
     thing_ids = list(value("thing_ids")) if panoptic_on else []
@@ -569,19 +599,19 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
         back = functools.partial(_nearest, crop_hw=(h, w), out_hw=(oh, ow))
     passes, semantic, competition, instances = [], None, None, None
     if semantic_on:
-        semantic = _SemanticMap(scoring.semantic(mask_cls), semantic_field.shape[1:])
+        semantic = _SemanticMap(rules.semantic(mask_cls), semantic_field.shape[1:])
         if semantic_field is not field:
             _per_pixel(semantic_field, semantic)
         else:
             passes.append(semantic)
     if panoptic_on:
-        keep, labels, scores = scoring.panoptic(mask_cls, num_classes, float(value("object_mask_threshold")))
+        keep, labels, scores = rules.panoptic(mask_cls, num_classes, float(value("object_mask_threshold")))
         competition = _Competition(keep, scores, field.shape[1:])
         if len(keep):
             passes.append(competition)
     if instance_on:
         pairs = _instance_pairs(mask_cls, num_classes, int(value("test_topk_per_image")), panoptic_on, thing_ids,
-                                scoring)
+                                rules)
         instances = _MaskScores(np.unique(pairs[0]), field.shape[1:])
         if len(instances.queries):
             passes.append(instances)
@@ -594,7 +624,7 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
                               if len(keep) else (competition.winner, []))
         prediction.panoptic, prediction.segments = (panoptic if back is None else back(panoptic)), segments
     if instances is not None:
-        boxes = _boxes(outputs["pred_boxes"][index], (ph / h * oh, pw / w * ow)) if scoring.sigmoid else None
+        boxes = _boxes(outputs["pred_boxes"][index], (ph / h * oh, pw / w * ow)) if rules.sigmoid else None
         prediction.instances = _instances(pairs, instances, sums.get(id(instances)), names, back, threshold,
-                                          scoring.focus_on_box, boxes)
+                                          rules, boxes)
     return prediction

@@ -86,7 +86,7 @@ class Mask2Former(Family):
                 "sem_seg_postprocess_before_inference": bool(test.SEM_SEG_POSTPROCESSING_BEFORE_INFERENCE
                                                              or test.PANOPTIC_ON or test.INSTANCE_ON),
                 "thing_ids": sorted(int(v) for v in things.values()),
-                "class_names": names} | _maskdino_scoring(cfg) | (
+                "class_names": names} | _maskdino_rules(cfg) | _oneformer_rules(cfg, meta) | (
                     {"task": str(task)} if (task := getattr(cfg.MODEL.get("TEST"), "TASK", None)) else {})
 
     def prediction(self, outputs, index, input_hw, original_hw, post, threshold):
@@ -103,8 +103,8 @@ def _task_conditioned(model) -> bool:
     return hasattr(model, "task_mlp") and hasattr(model, "task_tokenizer")
 
 
-def _maskdino_scoring(cfg) -> dict:
-    """MaskDINO scores classes by a sigmoid, K of them (d2export/families/_masks.py's Scoring), with the settings of
+def _maskdino_rules(cfg) -> dict:
+    """MaskDINO scores classes by a sigmoid, K of them (d2export/families/_masks.py's Rules), with the settings of
     its TEST node as its from_config reads them."""
     if not hasattr(cfg.MODEL, "MaskDINO"):
         return {"class_scores": "softmax"}
@@ -113,6 +113,22 @@ def _maskdino_scoring(cfg) -> dict:
     return {"class_scores": "sigmoid", "transform_eval": bool(test.PANO_TRANSFORM_EVAL),
             "panoptic_temperature": float(test.PANO_TEMPERATURE), "focus_on_box": bool(test.TEST_FOUCUS_ON_BOX),
             "semantic_ce_loss": bool(test.SEMANTIC_ON and node.SEMANTIC_CE_LOSS and not test.PANOPTIC_ON)}
+
+
+def _oneformer_rules(cfg, meta) -> dict:
+    """OneFormer's instance rules (its instance_inference; d2export/families/_masks.py's Rules): its demo mode keeps
+    the pairs scoring over the object threshold; on ADE20K (the dataset's name says it) the instance task numbers
+    classes among the things' dataset ids; DETECTION_ON boxes the masks."""
+    if not hasattr(cfg.MODEL, "ONE_FORMER"):
+        return {}
+    demo, test = bool(cfg.MODEL.get("IS_DEMO", False)), cfg.MODEL.TEST
+    rules = {"boxes_from_masks": bool(test.get("DETECTION_ON", False))}
+    if demo:
+        rules["instance_min_score"] = float(test.OBJECT_MASK_THRESHOLD)
+    things = getattr(meta, "thing_dataset_id_to_contiguous_id", None) or {}
+    if "ade20k" in getattr(meta, "name", "") and not demo and "instance" in str(test.get("TASK", "")):
+        rules["instance_label_ids"] = [int(k) for k in things]  # in the metadata's order, as upstream's list
+    return rules
 
 
 def _test_node(cfg):
