@@ -152,7 +152,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
         progress.step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
         with stage("verify"):
             cases = verification_cases(built)  # eager, before any export-time patch: the independent side
-    args = torch_inputs(adapter, dummy_images(traced_sizes(cfg), cfg.model.seed))
+    args = torch_inputs(adapter, dummy_images(traced_sizes(cfg, adapter.batchable), cfg.model.seed))
     axes = adapter.dynamic_axes if e.dynamic else None
     with contextlib.ExitStack() as publish:  # the manifest is staged outside the model: renamed after it
         staged_manifest = publish.enter_context(staged(manifest_path(final)))

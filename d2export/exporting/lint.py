@@ -88,7 +88,7 @@ def lint_export(built, staged: Path, result: ExportResult, axes: dict | None) ->
     report = LintReport(tracer_warnings=summarise_warnings(result.tracer_warnings))
     if axes is None:
         return report  # a static export is size-specific by request
-    sizes = traced_sizes(built.cfg)
+    sizes = traced_sizes(built.cfg, built.adapter.batchable)
     h, w = sizes[0]
     second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in sizes[1:]]
     with tempfile.TemporaryDirectory() as tmp, progress.busy("lint: tracing at a second size"):

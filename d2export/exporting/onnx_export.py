@@ -73,11 +73,12 @@ def export_onnx(
     return ExportResult(path, time.perf_counter() - start, caught, len(model.graph.node))
 
 
-def traced_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
+def traced_sizes(cfg: D2ExportConfig, batchable: bool = True) -> list[tuple[int, int]]:
     """The dummy batch the graph is traced on. torch.export specialises a dimension of size 1 to a constant, so a
-    single dummy image gets a twin there (a dynamic batch must be traced at 2 or more)."""
+    single dummy image gets a twin there (a dynamic batch must be traced at 2 or more) where the graph takes a batch
+    (`batchable`: its adapter's; detectron2's own detectors take one image per run)."""
     sizes = [tuple(s) for s in cfg.export.dummy_sizes]
-    if cfg.export.exporter == "dynamo" and cfg.export.dynamic and len(sizes) == 1:
+    if cfg.export.exporter == "dynamo" and cfg.export.dynamic and batchable and len(sizes) == 1:
         sizes = sizes * 2
     return sizes
 

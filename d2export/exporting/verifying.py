@@ -61,7 +61,7 @@ def verification_cases(built) -> list[verify.Case]:
     groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
     if not built.cfg.export.dynamic and not built.cfg.verify.sizes:
         # a fixed-size graph takes the traced batch and size only: other pictures of that shape, twice
-        groups = [traced_sizes(built.cfg)] * 2
+        groups = [traced_sizes(built.cfg, built.adapter.batchable)] * 2
     elif built.cfg.verify.batch and built.adapter.batchable:
         groups.append([sizes[0], sizes[2 if len(sizes) > 2 else -1]])
     elif built.cfg.verify.batch:
@@ -278,7 +278,7 @@ def ladder(built, sizes: Sequence[Sequence[int]] | None = None):
     sizes = [tuple(s) for s in (sizes or verification_sizes(cfg))]
     cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
     return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
-                      dummy_images(traced_sizes(cfg), cfg.model.seed), cases,
+                      dummy_images(traced_sizes(cfg, built.adapter.batchable), cfg.model.seed), cases,
                       atol=max(tol.atol, tol.pixel_atol),  # inner tensors have no kind: the loosest
                       rtol=tol.rtol, max_mismatch=tol.max_mismatch, providers=cfg.verify.providers,
                       output_tolerances=tol.per_output(built.adapter.output_names, built.family.output_kinds))

@@ -2,6 +2,8 @@
 size-general rewrites (see adet_family.py). They are needed for every target: without them a trace bakes sizes."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from d2export.ops import level_shapes
@@ -44,3 +46,31 @@ register_patch("encoder-proposals-per-level", module=module_where(adet_family.ha
                method="gen_encoder_output_proposals",
                why="linspace and view over Python-int level sizes bake the two-stage encoder proposals",
                )(adet_family.gen_encoder_output_proposals)
+
+
+def is_encoder_only(module) -> bool:
+    """Mask2Former's (OneFormer's, MaskDINO's) MSDeformAttnTransformerEncoderOnly: a deformable encoder with a level
+    embedding, forward(srcs, [masks,] pos_embeds), returning (memory, spatial_shapes, level_start_index[, ...])."""
+    if not (hasattr(module, "encoder") and isinstance(getattr(module, "level_embed", None), torch.nn.Parameter)):
+        return False
+    try:
+        names = list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return False
+    return names[:1] == ["srcs"] and names[-1:] == ["pos_embeds"]
+
+
+@register_patch("level-sizes-for-torch-export", module=module_where(is_encoder_only),
+                why="the pixel decoder splits the encoder's memory by level_start_index and views each level by "
+                    "spatial_shapes, tensors of the level sizes: under torch.export their values are data (.item()), "
+                    "and the view's guard fails; the same sizes as Python (symbolic) sizes read from the levels")
+def level_sizes_for_torch_export(self, srcs, *args):
+    if not torch.compiler.is_exporting():
+        return NotImplemented  # TorchScript traces the tensors' values; eager code keeps its own
+    out = list(type(self).forward(self, srcs, *args))
+    sizes = [tuple(src.shape[-2:]) for src in srcs]
+    starts = [0]
+    for h, w in sizes[:-1]:
+        starts.append(starts[-1] + h * w)
+    out[1], out[2] = sizes, starts
+    return tuple(out)
