@@ -78,6 +78,9 @@ class ExportConfig:
     dummy_sizes: List[List[int]] = opt(factory=lambda: [[320, 320]], help="[height, width] per dummy image traced "
                                        "(several: a batch)")
     text_logits: bool = opt(False, "text spotters: also output the raw recognition logits [N, K, 25, voc+1]")
+    postprocess: str = opt("outside", "segmenters (Mask2Former, OneFormer, MaskDINO): outside (serving computes the "
+                           "results from the head's outputs) | graph (also the masks upsampled and each task's "
+                           "per-pixel work in the graph: semantic map, panoptic competition, instance top-k and masks)")
     lint: bool = opt(True, "trace at a second size and flag constants that follow the dummy's size")
     fp16: bool = opt(False, "write a float16 graph (MSDA sampling, Softmax, Range … stay float32); verified with "
                      "verify.fp16_atol and top-K agreement")
@@ -206,6 +209,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
     _one_of("export.exporter", e.exporter, EXPORTERS)
     _one_of("export.target", e.target, TARGETS)
     _one_of("export.sampler", e.sampler, SAMPLERS)
+    _one_of("export.postprocess", e.postprocess, ("outside", "graph"))
     if not DEVICE_NAMES.fullmatch(e.device):
         raise ConfigError(f"export.device={e.device!r}: choose auto, cpu, cuda or cuda:N")
     if e.opset is None:

@@ -73,11 +73,15 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     except families.FamilyError as e:
         raise building.UserError(f"model.family={cfg.model.family}: {e}") from None
     log.info("model family: %s (%s)", family.name, family.summary)
+    if cfg.export.postprocess == "graph" and not family.postprocess_in_graph:
+        raise building.UserError(f"export.postprocess=graph: the {family.name} family has no post-processing to put "
+                                 "in the graph (segmenters only: Mask2Former, OneFormer, MaskDINO)")
     example = dummy_images(cfg.export.dummy_sizes, cfg.model.seed)
     with stage("build"):
         weights = building.condition_seeded(model, weights, family.seeded_scales,
                                             example[0] if family.seeded_norms else None)
-        options = families.AdapterOptions(example=example, text_logits=cfg.export.text_logits)
+        options = families.AdapterOptions(example=example, text_logits=cfg.export.text_logits,
+                                          postprocess=cfg.export.postprocess)
         adapter = family.adapter(model, d2cfg, options).to(device).eval()
     return Built(cfg, d2cfg, model, family, adapter, swapped, weights, device)
 
@@ -203,7 +207,8 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
         outputs=_documented(graph_specs(graph.output), built.family.output_docs),
         opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
         precision="int8" if e.int8 else "float16" if e.fp16 else "float32",
-        preprocess=built.family.preprocess(built.d2cfg), postprocess=built.family.postprocess(built.d2cfg),
+        preprocess=built.family.preprocess(built.d2cfg),
+        postprocess=built.family.postprocess(built.d2cfg) | ({"in_graph": True} if e.postprocess == "graph" else {}),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
         export_seconds=round(time.perf_counter() - started, 2), weights=built.weights,

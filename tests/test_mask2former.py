@@ -337,3 +337,70 @@ def test_bitmask_boxes_equal_detectron2s_loop_and_follow_the_mask_count_in_a_gra
     x = rng.random((6, 20, 11)).astype(np.float32)
     [got] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     assert np.array_equal(got, BitMasks(torch.from_numpy(x) > 0.9).get_bounding_boxes().tensor.numpy())
+
+
+def test_post_processing_in_the_graph_is_verified_and_serves_the_default_results(tmp_path):
+    """export.postprocess=graph: the semantic map, the panoptic competition and the instance top-k and masks in the
+    graph, verified at two sizes and a batch against the same work on the model's own head outputs; served, they
+    give the default graph's results but for ties, and the nearest-resized maps elsewhere."""
+    from d2export.families import _masks
+    from d2export.families._masks import graph_prediction, mask_prediction
+    from d2export.runtime.predictor import Predictor
+
+    built = _built(tmp_path, "export.postprocess=graph")
+    manifest = pipeline.export(built.cfg, built=built)
+    names = [o.name for o in manifest.outputs]
+    assert names[:2] == ["pred_logits", "pred_masks"] and "sem_seg" in names and "instance_masks" in names
+    assert manifest.verification["passed"] and manifest.postprocess["in_graph"]
+    assert {c["output"] for c in manifest.verification["cases"]} >= {"sem_seg", "panoptic_query", "query_areas",
+                                                                    "instance_scores", "instance_masks"}
+    predictor = Predictor(tmp_path / manifest.model_file, threads=1)
+    rng = np.random.default_rng(7)
+    pictures = [rng.integers(0, 256, (3, h, w), dtype=np.uint8) for h, w in [(128, 160), (120, 150)]]
+    feeds = built.adapter.graph_inputs(pictures)
+    outputs = dict(zip(predictor.output_names, predictor.session.run(predictor.output_names, feeds)))
+    post = manifest.postprocess
+    for i, picture in enumerate(pictures):
+        hw = picture.shape[1:]
+        served, default = graph_prediction(outputs, i, hw, hw, post), mask_prediction(outputs, i, hw, hw, post)
+        # the served map's class is, in numpy's scores of the graph's head outputs, the best but for ties (seeded
+        # weights: where every mask is off, all scores ~1e-8); tests/test_mask_postprocess.py compares untied
+        # results with upstream's
+        scores = _masks.semantic_inference(outputs["pred_logits"][i], _masks._masks_at(
+            outputs["pred_masks"][i], outputs["sem_seg"].shape[1:], hw, hw))
+        chosen = np.take_along_axis(scores, served.semantic[None], 0)[0]
+        assert served.semantic.shape == hw and (scores.max(0) - chosen).max() < 1e-6
+        assert served.segments and served.panoptic.shape == hw and served.instances
+        assert len(served.instances) == len(default.instances)
+        # served to another size: the maps resized by nearest pixels
+        bigger = graph_prediction(outputs, i, hw, (2 * hw[0], 2 * hw[1]), post)
+        np.testing.assert_array_equal(bigger.semantic[::2, ::2], served.semantic)
+        np.testing.assert_array_equal(bigger.panoptic[::2, ::2], served.panoptic)
+    # the predictor serves it as it serves the default graph
+    found = predictor.predict(np.ascontiguousarray(pictures[0].transpose(1, 2, 0)))
+    assert found.semantic.shape == (128, 160) and found.segments and found.instances
+
+
+def test_post_processing_in_the_graph_is_refused_for_families_without_it(tmp_path):
+    from d2export.building import UserError
+
+    with pytest.raises(UserError, match="export.postprocess=graph: the testr family"):
+        pipeline.prepare(load("textdet_tiny", [f"export.output_dir={tmp_path}", "export.postprocess=graph"]))
+
+
+def test_a_wrong_semantic_map_in_the_graph_is_refused_through_the_argmax_pinning(tmp_path, no_ladder, monkeypatch):
+    # the graph's map off by one class where its ArgMax picked right: pinning imposes the picks, the map still differs
+    from d2export.tracing import mask_results
+
+    real = mask_results.results
+
+    def off_by_one(*args):
+        out = real(*args)
+        if torch.onnx.is_in_onnx_export():
+            out["sem_seg"] = torch.clamp(out["sem_seg"] - 1, min=0)
+        return out
+
+    monkeypatch.setattr(mask_results, "results", off_by_one)
+    built = _built(tmp_path, "export.postprocess=graph")
+    with pytest.raises(VerificationError, match="sem_seg"):
+        pipeline.export(built.cfg, built=built)

@@ -343,3 +343,29 @@ def test_oneformer_instance_rules():
         want = sorted(label for p, label in zip(top.tolist(), labels) if p > 0.9 and label in THINGS)
         demo = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post | {"instance_min_score": 0.9})
         assert sorted(x.label for x in demo.instances) == want and 0 < len(want) < len(plain.instances)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_results_computed_in_the_graph_are_upstreams_at_the_graphs_size(seed):
+    """export.postprocess=graph: d2export/tracing/mask_results.py's torch (what the graph computes) on the head's
+    outputs, served by graph_prediction, against upstream's forward asked for the pictures at their size in the
+    graph: every map, segment, score and mask; and for another size the maps resized by nearest pixels."""
+    from d2export.tracing import mask_results
+
+    post = post_dict(True)
+    outputs = fake_outputs(seed, 2, (32, 40))
+    sizes = torch.tensor(INPUTS, dtype=torch.int64)
+    with torch.no_grad():
+        computed = mask_results.results(*(torch.from_numpy(outputs[k]) for k in ("pred_logits", "pred_masks")),
+                                        sizes, post)
+    in_graph = outputs | {k: v.numpy() for k, v in computed.items()}
+    for i, ref in enumerate(reference(standin(), outputs, INPUTS, INPUTS, post)):
+        served = _masks.graph_prediction(in_graph, i, INPUTS[i], INPUTS[i], post)
+        diff = differences(served, ref, INPUTS[i], INPUTS[i], True)
+        assert diff == {"semantic_pixels": 0, "panoptic_pixels": 0, "segments_differ": 0, "instances_missing": 0,
+                        "score": pytest.approx(0, abs=1e-6), "mask_pixels": 0}, diff
+        assert len(served.segments) > 1 and len(served.instances) > 1
+        other = _masks.graph_prediction(in_graph, i, INPUTS[i], ORIGINALS[i], post)
+        np.testing.assert_array_equal(other.semantic, _masks._nearest(served.semantic, INPUTS[i], ORIGINALS[i]))
+        assert other.segments == served.segments
+

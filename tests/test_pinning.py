@@ -6,6 +6,8 @@ eager PyTorch, the independent side, never sees them.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import re
 from pathlib import Path
 
@@ -319,6 +321,29 @@ def test_calls_of_another_signature_are_left_alone_and_topk_is_restored():
     assert pinner.found and pinner.found[0].positions == 2 and pinner.found[0].gap == 0.0
     assert torch.topk is original and torch.Tensor.topk is method
     assert re.search(r"topk", str(torch.topk))
+
+
+def test_an_argmax_is_pinned_as_a_topk_of_one_where_the_graphs_noise_explains_it():
+    # per pixel the best of 3 classes (axis 1 of [N, C, H, W]), as a segmenter's map takes it; pixel (0, 1) near-tied
+    x = torch.tensor([[[[0.5, 1e-8]], [[0.2, 1.0000001e-8]], [[0.1, 0.0]]]])
+    graph = pinning._GraphPick("argmax", np.array([[[[0.5, 1.00000015e-8]], [[0.2, 1.0e-8]], [[0.1, 0.0]]]]), 1, 1,
+                               True, np.array([[[[0, 0]]]]), "ArgMax")
+    with pinning.pinned_selections([graph], FLOAT32) as pinner:
+        assert torch.topk(x, 1, dim=1)[1].tolist() == [[[[0, 1]]]]  # a TopK of the same shape is not the ArgMax
+        assert torch.argmax(x, 1).tolist() == [[[0, 0]]]  # the graph's pick, keepdim as asked
+    assert pinner.found[0].tied and pinner.found[0].positions == 1
+    with pinning.pinned_selections([graph], FLOAT32):
+        assert x.argmax(1, keepdim=True).tolist() == [[[[0, 0]]]]  # the Tensor method too
+        assert x.argmax().item() == 0  # no axis: not a selection the graph makes per row
+    # a pick the values do not explain (class 2 at pixel 0: 0.4 below the best) is refused, eager keeps its own
+    wrong = dataclasses.replace(graph, values=x.numpy().astype(np.float64), indices=np.array([[[[2, 1]]]]))
+    with pinning.pinned_selections([wrong], FLOAT32) as pinner:
+        assert torch.argmax(x, 1).tolist() == [[[0, 1]]]
+    assert not pinner.found[0].tied
+    assert torch.argmax is pinning_argmax and torch.Tensor.argmax is pinning_method
+
+
+pinning_argmax, pinning_method = torch.argmax, torch.Tensor.argmax
 
 
 # --- NMS: the graph's kept boxes, where greedy NMS on eager's values gives them once each may move by the noise ----

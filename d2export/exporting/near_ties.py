@@ -50,8 +50,8 @@ def attribute(node, name: str, default: int) -> int:
 
 def selecting_session(model_path: str | Path, session_options=None, providers=("CPUExecutionProvider",)):
     """A verification copy of the graph whose outputs also carry every top-level TopK's candidates, values and
-    indices, every NonMaxSuppression's boxes, scores and selection, also from inside an If's branch, where
-    torchvision's batched NMS puts it, and every top-level comparison of a float tensor with a constant (a hard
+    indices (ArgMax's: candidates and indices), every NonMaxSuppression's boxes, scores and selection, also from
+    inside an If's branch, where torchvision's batched NMS puts it, and every top-level comparison of a float tensor with a constant (a hard
     threshold inside the network: Mask2Former's attention masks) with its result (the written model is not touched):
     (onnxruntime session, the selecting nodes in graph order; an NMS as an `Exposed` whose names are the graph
     outputs carrying its tensors, a threshold as a `Threshold`)."""
@@ -59,12 +59,14 @@ def selecting_session(model_path: str | Path, session_options=None, providers=("
     import onnxruntime as ort
 
     model = onnx.load(str(model_path))
-    nodes = [n for n in model.graph.node if n.op_type == "TopK"]
+    nodes = [n for n in model.graph.node if n.op_type in ("TopK", "ArgMax")]
     typed = {v.name: v for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
     known = {o.name for o in model.graph.output}
     wanted = {node.input[0]: onnx.TensorProto.FLOAT for node in nodes}
-    wanted |= {name: dtype for node in nodes for name, dtype in zip(node.output, (onnx.TensorProto.FLOAT,
-                                                                                   onnx.TensorProto.INT64))}
+    for node in nodes:  # TopK: values and indices; ArgMax: indices
+        types = (onnx.TensorProto.INT64,) if node.op_type == "ArgMax" else (onnx.TensorProto.FLOAT,
+                                                                              onnx.TensorProto.INT64)
+        wanted |= dict(zip(node.output, types))
     for name, dtype in wanted.items():
         if name not in known:
             model.graph.output.append(typed.get(name) or onnx.helper.make_tensor_value_info(name, dtype, None))

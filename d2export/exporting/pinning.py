@@ -105,7 +105,8 @@ class _GraphPick:
     k: int
     axis: int  # non-negative
     largest: bool
-    indices: np.ndarray
+    indices: np.ndarray  # an ArgMax's with its axis kept
+    op: str = "TopK"  # or "ArgMax": a TopK of one that torch.argmax computes
 
     @property
     def shape(self) -> tuple:
@@ -151,6 +152,12 @@ def graph_picks(session, nodes, names: Sequence[str], case_inputs: dict) -> tupl
             picks.append(_GraphSuppression(node.name, np.asarray(boxes).reshape(-1, 4), np.asarray(scores).reshape(-1),
                                            np.asarray(selected)[:, 2]))
             continue
+        if node.op_type == "ArgMax":  # the first of the largest, as torch.argmax
+            x, idx = np.asarray(values[node.input[0]]), np.asarray(values[node.output[0]])
+            axis = near_ties.attribute(node, "axis", 0) % x.ndim
+            idx = idx if near_ties.attribute(node, "keepdims", 1) else np.expand_dims(idx, axis)
+            picks.append(_GraphPick(node.name or node.output[0], x, 1, axis, True, idx, "ArgMax"))
+            continue
         x, idx = values[node.input[0]], values[node.output[1]]
         axis = near_ties.attribute(node, "axis", -1) % x.ndim
         picks.append(_GraphPick(node.name or node.output[0], np.asarray(x), int(idx.shape[axis]), axis,
@@ -169,8 +176,9 @@ class _Pinner:
     and the case fails as it did."""
 
     def __init__(self, picks: list, tolerances: Tolerances, topk: Callable, suppress: Callable,
-                 compare: dict[str, Callable] | None = None):
+                 compare: dict[str, Callable] | None = None, argmax: Callable | None = None):
         self.picks = [p for p in picks if isinstance(p, _GraphPick)]
+        self.argmax_fn, self.next_argmax = argmax, 0
         self.suppressions = [p for p in picks if isinstance(p, _GraphSuppression)]
         self.thresholds = [p for p in picks if isinstance(p, _GraphThreshold)]
         self.tolerances, self.topk, self.suppress, self.compare = tolerances, topk, suppress, compare or {}
@@ -181,14 +189,31 @@ class _Pinner:
     def __call__(self, input, k, dim=-1, largest=True, sorted=True, **kw):  # noqa: A002 - torch.topk's own names
         values, indices = self.topk(input, k, dim=dim, largest=largest, sorted=sorted, **kw)
         axis = (dim if dim is not None else -1) % max(input.dim(), 1)
-        signature = (tuple(input.shape), int(k), axis, bool(largest))
+        signature = (tuple(input.shape), int(k), axis, bool(largest), "TopK")
         for j in range(self.next, len(self.picks)):
             g = self.picks[j]
-            if (g.shape, g.k, g.axis, g.largest) == signature:
+            if (g.shape, g.k, g.axis, g.largest, g.op) == signature:
                 self.next = j + 1
                 self.matched += 1
                 return self._impose(g, input, values, indices)
         return values, indices
+
+    def argmax(self, input, dim=None, keepdim=False):  # noqa: A002 - torch.argmax's own names
+        """torch.argmax along `dim`: matched, in order, to the next graph ArgMax of the input's shape and axis, and
+        imposed as a TopK of one is."""
+        indices = self.argmax_fn(input, dim=dim, keepdim=keepdim)
+        if dim is None:
+            return indices
+        axis = dim % max(input.dim(), 1)
+        kept = indices if keepdim else indices.unsqueeze(axis)
+        for j in range(self.next_argmax, len(self.picks)):
+            g = self.picks[j]
+            if (g.shape, g.axis, g.op) == (tuple(input.shape), axis, "ArgMax"):
+                self.next_argmax = j + 1
+                self.matched += 1
+                _, kept = self._impose(g, input, None, kept)
+                break
+        return kept if keepdim else kept.squeeze(axis)
 
     def batched_nms(self, boxes, scores, idxs, iou_threshold):
         import torch
@@ -381,11 +406,15 @@ def pinned_selections(picks: list, tolerances: Tolerances) -> Iterator[_Pinner]:
     import torchvision.ops.boxes as boxes
 
     operators = {op: getattr(torch.Tensor, f"__{op}__") for op in _COMPARE}
-    pinner = _Pinner(picks, tolerances, torch.topk, _batched_nms_as_traced, operators)
+    pinner = _Pinner(picks, tolerances, torch.topk, _batched_nms_as_traced, operators, torch.argmax)
     method = lambda self, *a, **kw: pinner(self, *a, **kw)  # noqa: E731
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch, "topk", pinner))
         stack.enter_context(mock.patch.object(torch.Tensor, "topk", method))
+        if any(p.op == "ArgMax" for p in pinner.picks):
+            stack.enter_context(mock.patch.object(torch, "argmax", pinner.argmax))
+            stack.enter_context(mock.patch.object(torch.Tensor, "argmax",
+                                                  lambda self, *a, **kw: pinner.argmax(self, *a, **kw)))
         stack.enter_context(mock.patch.object(boxes, "batched_nms", pinner.batched_nms))
         stack.enter_context(mock.patch.object(torchvision.ops, "batched_nms", pinner.batched_nms))
         if pinner.thresholds:  # comparison operators answer through the pinner only where the graph thresholds

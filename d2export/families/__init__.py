@@ -34,6 +34,7 @@ class FamilyError(ValueError):
 class AdapterOptions:
     example: Sequence[np.ndarray] = field(default_factory=list)  # the export's dummy images (CHW uint8)
     text_logits: bool = False  # text spotters: also output the raw recognition logits
+    postprocess: str = "outside"  # segmenters: "graph" puts each task's per-pixel work in the graph too
 
 
 class Family:
@@ -46,6 +47,7 @@ class Family:
         "images": "uint8 pixels [N, 3, H, W] in the manifest's input_format, resized as preprocess says, zero-padded",
         "image_sizes": "int64 [N, 2]: each image's height and width before padding"}
     output_docs: dict[str, str] = {}
+    postprocess_in_graph = False  # export.postprocess=graph is offered
     # graph output name → the kind of value it holds ("pixels", "probabilities", "logits", "ids", "masks"), which
     # picks its verification tolerance (verify.output_tolerances); an output not listed counts as logits
     output_kinds: dict[str, str] = {}

@@ -59,6 +59,22 @@ _RESIZE_CHUNK = 1 << 20  # float32 elements a resize step holds per map group: s
 _BAND = 1 << 19  # float32 elements of mask probabilities per band of rows: a band is made, used and dropped in cache
 
 
+# export.postprocess=graph: what the graph computes per task (d2export/tracing/mask_results.py), served by
+# graph_prediction; their kinds for verification and their dynamic axes
+GRAPH_OUTPUTS = {"semantic_on": ("sem_seg",),
+                 "panoptic_on": ("panoptic_query", "query_keep", "query_labels", "query_areas"),
+                 "instance_on": ("instance_scores", "instance_labels", "instance_queries", "instance_masks")}
+GRAPH_KINDS = {name: "ids" for names in GRAPH_OUTPUTS.values() for name in names} | {
+    "instance_scores": "probabilities"}
+_MAP = {0: "batch", 1: "height", 2: "width"}
+GRAPH_AXES = {name: {0: "batch"} for name in GRAPH_KINDS} | {
+    "sem_seg": _MAP, "panoptic_query": _MAP, "instance_masks": {0: "batch", 2: "height", 3: "width"}}
+
+
+def graph_output_names(post: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(name for task, names in GRAPH_OUTPUTS.items() if post[task] for name in names)
+
+
 # resizing -------------------------------------------------------------------------------------------------------------
 # Bilinear resizes as a few taps per output along each axis, gathered with np.take: the cost is the output's size
 # whatever the scale, single-threaded like torch's own CPU kernel and about as fast (Q=100 masks to 800x1088: 0.5 s;
@@ -433,10 +449,12 @@ def _per_pixel(field: Upsampled, *passes) -> list:
     return [None if parts[0][i] is None else sum(part[i] for part in parts) for i in range(len(passes))]
 
 
-def _segments(competition: _Competition, areas: np.ndarray, labels: np.ndarray, overlap_threshold: float,
-              thing_ids: Sequence[int], class_names: Sequence[str]) -> tuple[np.ndarray, list[Segment]]:
-    """panoptic_inference's walk over the kept queries in order, from the competition's areas: numbers the segments,
-    drops those too covered, merges stuff of one class; the [H, W] int32 segment ids (0: none)."""
+def _segments(winner: np.ndarray, inside: np.ndarray, areas: np.ndarray, labels: np.ndarray,
+              overlap_threshold: float, thing_ids: Sequence[int],
+              class_names: Sequence[str]) -> tuple[np.ndarray, list[Segment]]:
+    """panoptic_inference's walk over the kept queries in order, from the competition (per pixel the kept query
+    winning it, and whether its mask covers it) and its areas [3, kept]: numbers the segments, drops those too
+    covered, merges stuff of one class; the [H, W] int32 segment ids (0: none)."""
     mask_area, original_area, kept_area = areas
     things = {int(t) for t in thing_ids}
     segment_of = np.zeros(len(labels) + 1, np.int32)  # kept query → its segment id (0: dropped)
@@ -458,7 +476,7 @@ def _segments(competition: _Competition, areas: np.ndarray, labels: np.ndarray, 
         segment_of[i] = current
         segments.append(Segment(current, int(label), isthing,
                                 class_names[label] if label < len(class_names) else None))
-    panoptic = np.where(competition.inside, segment_of[competition.winner], 0).astype(np.int32)
+    panoptic = np.where(inside, segment_of[winner], 0).astype(np.int32)
     return panoptic, segments
 
 
@@ -481,28 +499,38 @@ def _instances(pairs, masks: _MaskScores, sums: np.ndarray | None, class_names: 
                to_original: Callable[[np.ndarray], np.ndarray] | None, threshold: float | None,
                rules: Rules = Rules(), boxes: np.ndarray | None = None) -> list[Instance]:
     """The pairs scored (class score × their query's mean mask probability, or the class score alone where
-    `focus_on_box`), sorted, their masks encoded; `boxes` [Q, 4] x0 y0 x1 y1 per query, where the model has them."""
+    `focus_on_box`), then listed."""
     queries, labels, class_scores = pairs
     row = {int(j): i for i, j in enumerate(masks.queries)}
     picked = np.asarray([row[int(j)] for j in queries], np.int64)
     mean = np.zeros(0, np.float32) if sums is None else (
         sums[0].astype(np.float32) / (sums[1].astype(np.float32) + np.float32(1e-6)))
     scores = class_scores if rules.focus_on_box or not len(picked) else class_scores * mean[picked]
+    return _listed(queries, labels, scores, lambda j: masks.positive[row[j]], class_names, to_original, threshold,
+                   rules, boxes)
+
+
+def _listed(queries: np.ndarray, labels: np.ndarray, scores: np.ndarray, mask_of: Callable[[int], np.ndarray],
+            class_names: Sequence[str], to_original: Callable[[np.ndarray], np.ndarray] | None,
+            threshold: float | None, rules: Rules, boxes: np.ndarray | None) -> list[Instance]:
+    """Scored (query, class) pairs as Instances sorted by score, descending; each query's mask (`mask_of`, mapped by
+    `to_original`) encoded once; `boxes` [Q, 4] x0 y0 x1 y1 per query where the model has them (else from the masks
+    where the rules say, else none)."""
     order = np.argsort(-scores, kind="stable")
     if threshold is not None:
         order = order[scores[order].astype(np.float64) >= threshold]  # as the float scores compare
-    encoded: dict[int, dict[str, Any]] = {}
+    encoded: dict[int, tuple] = {}
     found = []
     for i in order.tolist():
-        m, label = int(picked[i]), int(labels[i])
-        if m not in encoded:
-            positive = masks.positive[m]
+        j, label = int(queries[i]), int(labels[i])
+        if j not in encoded:
+            positive = mask_of(j)
             positive = to_original(positive) if to_original else positive
-            encoded[m] = encode_mask(positive), _mask_box(positive) if rules.boxes_from_masks else None
-        mask, box = encoded[m]
+            encoded[j] = encode_mask(positive), _mask_box(positive) if rules.boxes_from_masks else None
+        mask, box = encoded[j]
         found.append(Instance(score=float(scores[i]), label=_label(label, rules.label_ids),
                               class_name=class_names[label] if label < len(class_names) else None,
-                              mask=mask, box=box if boxes is None else boxes[queries[i]].tolist()))
+                              mask=mask, box=box if boxes is None else boxes[j].tolist()))
     return found
 
 
@@ -532,7 +560,8 @@ def panoptic_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes:
     if len(keep) == 0:
         return competition.winner, []
     (areas,) = _per_pixel(Upsampled(mask_pred, None, None), competition)
-    return _segments(competition, areas, labels, overlap_threshold, thing_ids, class_names)
+    return _segments(competition.winner, competition.inside, areas, labels, overlap_threshold, thing_ids,
+                     class_names)
 
 
 def instance_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes: int, test_topk_per_image: int,
@@ -619,7 +648,7 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
     if semantic is not None:
         prediction.semantic = semantic.map
     if competition is not None:
-        panoptic, segments = (_segments(competition, sums[id(competition)], labels,
+        panoptic, segments = (_segments(competition.winner, competition.inside, sums[id(competition)], labels,
                                         float(value("overlap_threshold")), thing_ids, names)
                               if len(keep) else (competition.winner, []))
         prediction.panoptic, prediction.segments = (panoptic if back is None else back(panoptic)), segments
@@ -628,3 +657,43 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
         prediction.instances = _instances(pairs, instances, sums.get(id(instances)), names, back, threshold,
                                           rules, boxes)
     return prediction
+
+
+def graph_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequence[int],
+                     original_hw: Sequence[int], post: dict[str, Any], threshold: float = 0.0) -> Prediction:
+    """mask_prediction's results from a graph exported with export.postprocess=graph (d2export/tracing/
+    mask_results.py): the picture's corner of the in-graph maps and masks, the panoptic walk over its kept queries,
+    the instance pairs listed; where the original picture's size differs from the graph's, maps and masks are
+    resized to it by nearest pixels (the default graph's serving resizes mask logits before inference instead)."""
+    (h, w), (oh, ow) = tuple(map(int, input_hw)), tuple(map(int, original_hw))
+    rules, prediction = Rules.of(post), Prediction(oh, ow)
+    names, panoptic_on = list(post.get("class_names") or []), bool(post["panoptic_on"])
+    thing_ids = list(post["thing_ids"]) if panoptic_on else []
+    back = (lambda m: m[..., :h, :w]) if (h, w) == (oh, ow) else functools.partial(
+        _nearest, crop_hw=(h, w), out_hw=(oh, ow))
+    if post["semantic_on"]:
+        prediction.semantic = back(np.asarray(outputs["sem_seg"][index])).astype(np.int32)
+    if panoptic_on:
+        kept = np.flatnonzero(outputs["query_keep"][index])
+        place = np.zeros(len(outputs["query_keep"][index]) + 1, np.int64)  # query → its place among the kept
+        place[kept] = np.arange(len(kept))
+        query = back(np.asarray(outputs["panoptic_query"][index]))
+        panoptic, segments = _segments(place[query], query >= 0, outputs["query_areas"][index][kept].T,
+                                       outputs["query_labels"][index][kept], float(post["overlap_threshold"]),
+                                       thing_ids, names)
+        prediction.panoptic, prediction.segments = panoptic, segments
+    if post["instance_on"]:
+        queries, labels, scores = (np.asarray(outputs[k][index]) for k in
+                                   ("instance_queries", "instance_labels", "instance_scores"))
+        if rules.min_class_score is not None or panoptic_on:  # upstream's filters after its top-k
+            classes = rules.instance(np.asarray(outputs["pred_logits"][index], np.float32))[queries, labels]
+            keep = np.ones(len(queries), bool) if rules.min_class_score is None else classes > rules.min_class_score
+            keep &= np.isin(labels, np.asarray(thing_ids, np.int64)) if panoptic_on else True
+            queries, labels, scores = queries[keep], labels[keep], scores[keep]
+        masks = outputs["instance_masks"][index]
+        (ph, pw) = masks.shape[-2:]
+        boxes = _boxes(outputs["pred_boxes"][index], (ph / h * oh, pw / w * ow)) if rules.sigmoid else None
+        prediction.instances = _listed(queries, labels, scores.astype(np.float32), lambda j: masks[j], names, back,
+                                       threshold, rules, boxes)
+    return prediction
+

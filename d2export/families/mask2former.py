@@ -15,6 +15,7 @@ segments and the instances from these outputs as the model's own three inference
 from __future__ import annotations
 
 from d2export.families import AdapterOptions, Family, FamilyError, find_child
+from d2export.families._masks import GRAPH_KINDS
 
 HEAD = ("pixel_decoder", "predictor")
 DECODER = ("forward_prediction_heads", "class_embed", "mask_embed", "num_queries")
@@ -24,7 +25,18 @@ OUTPUT_DOCS = {"pred_logits": "class logits per query [N, Q, K+1]; the last clas
                "pred_boxes": "MaskDINO: a box per query [N, Q, 4], cx, cy, w, h relative to the padded batch",
                "pred_masks": "mask logits per query [N, Q, Hp/4, Wp/4] over the batch padded to the model's size "
                              "divisibility; a picture's own part is its top-left (ceil(h/4), ceil(w/4))"}
-OUTPUT_KINDS = {"pred_logits": "logits", "pred_masks": "masks", "pred_boxes": "probabilities"}
+OUTPUT_KINDS = {"pred_logits": "logits", "pred_masks": "masks", "pred_boxes": "probabilities",
+                **GRAPH_KINDS}
+OUTPUT_DOCS |= {
+    "sem_seg": "export.postprocess=graph: the semantic class per pixel [N, Hp, Wp] over the padded batch",
+    "panoptic_query": "export.postprocess=graph: the kept query winning and covering each pixel, -1 where none",
+    "query_keep": "export.postprocess=graph: the queries panoptic inference keeps [N, Q]",
+    "query_labels": "export.postprocess=graph: each query's class [N, Q]",
+    "query_areas": "export.postprocess=graph: per query, pixels won, of its mask, won and covered [N, Q, 3]",
+    "instance_scores": "export.postprocess=graph: the top-k (query, class) pairs' scores [N, k]",
+    "instance_labels": "export.postprocess=graph: their classes [N, k]",
+    "instance_queries": "export.postprocess=graph: their queries [N, k]",
+    "instance_masks": "export.postprocess=graph: every query's mask (logit > 0) [N, Q, Hp, Wp]"}
 
 
 def _has_msda(module) -> bool:
@@ -45,6 +57,7 @@ class Mask2Former(Family):
     int8_float_scopes = ("sampling_offsets", "attention_weights")
     pixel_maps = True
     evaluator = "segmentation"  # mIoU, panoptic quality and mask AP, where the dataset has their ground truth
+    postprocess_in_graph = True
 
     def missing(self, model):
         missing = [a for a in MODEL if not hasattr(model, a)]
@@ -65,7 +78,11 @@ class Mask2Former(Family):
         pre = self.preprocess(cfg)
         task = str(cfg.MODEL.TEST.TASK) if _task_conditioned(model) else None
         boxes = hasattr(model.sem_seg_head.predictor, "bbox_embed")
-        return MaskFormerAdapter(model, pre["pixel_mean"], pre["pixel_std"], task, boxes)
+        from d2export.families._masks import GRAPH_AXES, graph_output_names
+
+        post = self.postprocess(cfg) if options.postprocess == "graph" else None
+        results = {name: GRAPH_AXES[name] for name in graph_output_names(post)} if post else None
+        return MaskFormerAdapter(model, pre["pixel_mean"], pre["pixel_std"], task, boxes, post, results)
 
     def postprocess(self, cfg):
         from detectron2.data import MetadataCatalog
@@ -90,9 +107,10 @@ class Mask2Former(Family):
                     {"task": str(task)} if (task := getattr(cfg.MODEL.get("TEST"), "TASK", None)) else {})
 
     def prediction(self, outputs, index, input_hw, original_hw, post, threshold):
-        from d2export.families._masks import mask_prediction
+        from d2export.families._masks import graph_prediction, mask_prediction
 
-        return mask_prediction(outputs, index, input_hw, original_hw, post, threshold)
+        predict = graph_prediction if post.get("in_graph") else mask_prediction
+        return predict(outputs, index, input_hw, original_hw, post, threshold)
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
         return self.prediction(outputs, index, input_hw, original_hw, post, threshold).instances

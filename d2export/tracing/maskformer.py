@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from d2export.tracing import mask_results
 from d2export.tracing.detr import DetrAdapter
 
 OUTPUT_NAMES = ("pred_logits", "pred_masks")
@@ -24,15 +25,19 @@ OUTPUT_NAMES = ("pred_logits", "pred_masks")
 class MaskFormerAdapter(DetrAdapter):
     """`task`: for task-conditioned heads (OneFormer: `task_mlp` over the tokenised prompt "The task is <task>",
     handed to the head beside the features), the task the graph is made for; the tokens are a constant of the graph.
-    `boxes`: the head also returns `pred_boxes` (MaskDINO), a third output. Inputs, normalisation and zeroing past
-    each image are DetrAdapter's."""
+    `boxes`: the head also returns `pred_boxes` (MaskDINO), a third output. `post`: the post-processing's settings
+    (the manifest's postprocess section), with `results` (output name → its dynamic axes, as the family serves
+    them): each task's results computed in the graph too (d2export/tracing/mask_results.py,
+    export.postprocess=graph). Inputs, normalisation and zeroing past each image are DetrAdapter's."""
 
     batchable = True  # the model masks no padding: a batch is exact as the model's own forward pads it
 
     def __init__(self, model: nn.Module, pixel_mean: Sequence[float], pixel_std: Sequence[float],
-                 task: str | None = None, boxes: bool = False):
-        super().__init__(model, "sem_seg_head", None, OUTPUT_NAMES + (("pred_boxes",) if boxes else ()), pixel_mean,
-                         pixel_std)
+                 task: str | None = None, boxes: bool = False, post: dict | None = None,
+                 results: dict[str, dict[int, str]] | None = None):
+        names = OUTPUT_NAMES + (("pred_boxes",) if boxes else ())
+        super().__init__(model, "sem_seg_head", None, names + tuple(results or ()), pixel_mean, pixel_std)
+        self.head_outputs, self.post, self.results_axes = names, post, dict(results or {})
         self.divisibility = int(model.size_divisibility) or 1
         self.prompt = None if task is None else f"The task is {task}"  # OneFormer's dataset mappers' words
         if self.prompt is not None:
@@ -40,7 +45,8 @@ class MaskFormerAdapter(DetrAdapter):
 
     @property
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        return super().dynamic_axes | {"pred_masks": {0: "batch", 2: "mask_height", 3: "mask_width"}}
+        axes = super().dynamic_axes | {"pred_masks": {0: "batch", 2: "mask_height", 3: "mask_width"}}
+        return axes | self.results_axes
 
     def forward(self, images: Tensor, image_sizes: Tensor) -> tuple[Tensor, ...]:
         x = self.normalised(images, image_sizes)
@@ -51,7 +57,13 @@ class MaskFormerAdapter(DetrAdapter):
             out = self.head(features)
         else:
             out = self.head(features, self.model.task_mlp(self.task_tokens).expand(x.shape[0], -1))
-        return tuple(_outputs(out)[name] for name in self.output_names)
+        return self._named(_outputs(out), image_sizes)
+
+    def _named(self, head: dict, image_sizes: Tensor) -> tuple[Tensor, ...]:
+        found = {name: head[name] for name in self.head_outputs}
+        if self.post:
+            found |= mask_results.results(head["pred_logits"], head["pred_masks"], image_sizes, self.post)
+        return tuple(found[name] for name in self.output_names)
 
     @torch.no_grad()
     def reference(self, images: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -63,7 +75,8 @@ class MaskFormerAdapter(DetrAdapter):
             self.model([{"image": torch.from_numpy(np.ascontiguousarray(im)).float()} | task for im in images])
         finally:
             hook.remove()
-        return [seen[-1][name].cpu().numpy() for name in self.output_names]
+        sizes = torch.tensor([im.shape[-2:] for im in images], dtype=torch.int64)
+        return [t.cpu().numpy() for t in self._named(seen[-1], sizes.to(seen[-1]["pred_logits"].device))]
 
 
 def _outputs(out) -> dict:
