@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/benchmark.py segmentation [--clone /src/Mask2Former] [--tasks panoptic instance semantic]
         [--sizes 320x320 480x640 640x480] [--batch 320x320 400x256] [--size 640] [--threads 2] [--rounds 3]
-        [--samplers gather fused] [--object-mask-threshold 0.2] [--overlap-threshold 0] [--out DIR]
+        [--samplers gather fused] [--postprocess-graph] [--object-mask-threshold 0.2] [--overlap-threshold 0] [--out DIR]
 
 Without --clone, the stand-in of third_party/mask2former (its full-size configs). One run, one machine:
 1. per task's config (COCO panoptic, COCO instance, ADE20K semantic on R-50; `--tasks panoptic-swin`: COCO panoptic
@@ -204,6 +204,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samplers", nargs="+", default=["gather", "fused"])
+    ap.add_argument("--postprocess-graph", action="store_true",
+                    help="also the last sampler's graph with export.postprocess=graph (its per-pixel work inside)")
     ap.add_argument("--object-mask-threshold", type=float, default=0.2,
                     help="panoptic: seeded weights score no query past the configs' 0.8, so their panoptic maps would "
                          "be empty; this keeps some")
@@ -224,18 +226,21 @@ def main(argv=None) -> int:
     report = {"cpu": describe_cpu(), "threads": args.threads, "tasks": {}}
     for task in args.tasks:
         predictors, built = {}, None
-        for sampler in args.samplers:
-            out = args.out / task / sampler
+        runs = [(s, s, []) for s in args.samplers] + (  # (name, sampler, extra overrides)
+            [(f"{args.samplers[-1]}, post-processing in the graph", args.samplers[-1], ["export.postprocess=graph"])]
+            if args.postprocess_graph else [])
+        for name, sampler, extra in runs:
+            out = args.out / task / name.replace(", ", "_").replace(" ", "_")
             cfg = load("mask2former", _overrides(args.clone, task, out, sampler, args.object_mask_threshold,
-                                                 args.overlap_threshold))
+                                                 args.overlap_threshold) + extra)
             built = pipeline.prepare(cfg, ROOT)
             start = time.perf_counter()
             manifest = pipeline.export(built.cfg, built=built)
             worst = max(manifest.verification["cases"], key=lambda c: c["max_abs"])
-            print(f"{task} {sampler}: exported and verified in {time.perf_counter() - start:.0f} s "
+            print(f"{task} {name}: exported and verified in {time.perf_counter() - start:.0f} s "
                   f"({len({c['case'] for c in manifest.verification['cases']})} cases, largest difference "
                   f"{worst['output']} {worst['max_abs']:.2g})")
-            predictors[sampler] = Predictor(out / manifest.model_file, threads=args.threads)
+            predictors[name] = Predictor(out / manifest.model_file, threads=args.threads)
         first = predictors[args.samplers[0]]
         rows = [parity(built.model, first.session, built.adapter, first.post, [_size(s)], 1) for s in args.sizes]
         rows.append(parity(built.model, first.session, built.adapter, first.post, [_size(s) for s in args.batch], 2))
