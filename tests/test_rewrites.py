@@ -468,7 +468,10 @@ def test_rewrite_is_size_general_through_apply_patches(name, target, fn, make, d
 # for the whole tiny model through torch.export, where reference points and proposals fail to export without them.
 MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-level", "encoder-proposals-per-level",
                   # tests/test_swin_backbone.py: upstream's Swin exported at one size, run at others and batches
-                  "swin-shift-mask", "swin-window-sizes", "swin-patch-merging", "patch-embed-padding"}
+                  "swin-shift-mask", "swin-window-sizes", "swin-patch-merging", "patch-embed-padding",
+                  # tests/test_dynamo_mask2former.py: a pixel decoder's split and views through torch.export at
+                  # another batch and size, and the tiny Mask2Former verified through it
+                  "level-sizes-for-torch-export"}
 # Patches of what upstream code it takes to exercise, tested size-general with that code elsewhere: detectron2's ViT,
 # whose helpers these replace (tests/test_vit_backbone.py), the stand-in's DCNv3 Function (tests/test_dcnv3.py) and
 # ViTAEv2's window_reverse (tests/test_swin_backbone.py)
