@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from d2export.instances import Instance, Prediction, Segment, encode_mask
 
@@ -370,6 +371,14 @@ def _masks_at(masks: np.ndarray, padded_hw: tuple[int, int], crop_hw: tuple[int,
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None
+_blas: ThreadpoolController | None = None
+
+
+def _one_blas_thread():
+    """A scope in which BLAS runs on one thread (threadpoolctl; the loaded libraries are looked up once)."""
+    global _blas
+    _blas = _blas or ThreadpoolController()
+    return _blas.limit(limits=1, user_api="blas")
 
 
 def _each(fn: Callable, items: list) -> list:
@@ -439,13 +448,8 @@ def _per_pixel(field: Upsampled, *passes) -> list:
         probs, logits = field.probs(start, stop)
         return [p.band(start, stop, probs, logits) for p in passes]
 
-    try:  # each thread's BLAS on one core: two threads' matrix products otherwise fight for the same cores
-        from threadpoolctl import threadpool_limits
-    except ImportError:
+    with _one_blas_thread():  # each thread's BLAS on one core: two threads' products would fight for the cores
         parts = _each(run, field.bands())
-    else:
-        with threadpool_limits(1, "blas"):
-            parts = _each(run, field.bands())
     return [None if parts[0][i] is None else sum(part[i] for part in parts) for i in range(len(passes))]
 
 
@@ -486,13 +490,16 @@ def _instance_pairs(mask_cls: np.ndarray, num_classes: int, test_topk_per_image:
     flat = rules.instance(mask_cls).reshape(-1)  # [Q·K]: query-major, as upstream's flatten
     top = np.argsort(-flat, kind="stable")[: min(int(test_topk_per_image), flat.size)]  # ties: the lower index
     queries, labels, class_scores = top // num_classes, top % num_classes, flat[top]
-    if rules.min_class_score is not None:
-        sure = class_scores > rules.min_class_score
-        queries, labels, class_scores = queries[sure], labels[sure], class_scores[sure]
-    if panoptic_on:
-        thing = np.isin(labels, np.asarray(list(thing_ids), np.int64))
-        queries, labels, class_scores = queries[thing], labels[thing], class_scores[thing]
-    return queries, labels, class_scores
+    kept = _kept_pairs(labels, class_scores, panoptic_on, thing_ids, rules)
+    return queries[kept], labels[kept], class_scores[kept]
+
+
+def _kept_pairs(labels: np.ndarray, class_scores: np.ndarray, panoptic_on: bool, thing_ids: Sequence[int],
+                rules: Rules) -> np.ndarray:
+    """Which top-k pairs upstream keeps after its top-k: those scoring over OneFormer's demo threshold, things only
+    when panoptic is on."""
+    kept = np.ones(len(labels), bool) if rules.min_class_score is None else class_scores > rules.min_class_score
+    return kept & np.isin(labels, np.asarray(list(thing_ids), np.int64)) if panoptic_on else kept
 
 
 def _instances(pairs, masks: _MaskScores, sums: np.ndarray | None, class_names: Sequence[str],
@@ -687,8 +694,7 @@ def graph_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Seque
                                    ("instance_queries", "instance_labels", "instance_scores"))
         if rules.min_class_score is not None or panoptic_on:  # upstream's filters after its top-k
             classes = rules.instance(np.asarray(outputs["pred_logits"][index], np.float32))[queries, labels]
-            keep = np.ones(len(queries), bool) if rules.min_class_score is None else classes > rules.min_class_score
-            keep &= np.isin(labels, np.asarray(thing_ids, np.int64)) if panoptic_on else True
+            keep = _kept_pairs(labels, classes, panoptic_on, thing_ids, rules)
             queries, labels, scores = queries[keep], labels[keep], scores[keep]
         masks = outputs["instance_masks"][index]
         (ph, pw) = masks.shape[-2:]

@@ -23,14 +23,7 @@ from torch import nn
 from d2export.ops import windows
 from d2export.ops.level_shapes import is_size
 from d2export.patching import compiled_ops
-from d2export.patching.registry import module_where, register_patch
-
-
-def _forward_args(module) -> list[str]:
-    try:
-        return list(inspect.signature(type(module).forward).parameters)[1:]
-    except (TypeError, ValueError):
-        return []
+from d2export.patching.registry import forward_args, module_where, register_patch
 
 
 def is_swin_block(module) -> bool:
@@ -40,7 +33,7 @@ def is_swin_block(module) -> bool:
     sizes = (getattr(module, "window_size", None), getattr(module, "shift_size", None))
     return (all(isinstance(s, int) for s in sizes) and hasattr(attn, "relative_position_bias_table")
             and all(hasattr(module, a) for a in ("norm1", "norm2", "mlp", "drop_path"))
-            and _forward_args(module) == ["x", "mask_matrix"])
+            and forward_args(module) == ["x", "mask_matrix"])
 
 
 def is_swin_stage(module) -> bool:
@@ -48,7 +41,7 @@ def is_swin_stage(module) -> bool:
     blocks = getattr(module, "blocks", None)
     return (isinstance(blocks, nn.ModuleList) and len(blocks) > 0 and is_swin_block(blocks[0])
             and isinstance(getattr(module, "shift_size", None), int) and hasattr(module, "downsample")
-            and _forward_args(module) == ["x", "H", "W"])
+            and forward_args(module) == ["x", "H", "W"])
 
 
 def is_patch_merging(module) -> bool:
@@ -56,7 +49,7 @@ def is_patch_merging(module) -> bool:
     reduction = getattr(module, "reduction", None)
     return (isinstance(reduction, nn.Linear) and reduction.in_features == 2 * reduction.out_features
             and hasattr(module, "norm") and not hasattr(module, "blocks")
-            and _forward_args(module) == ["x", "H", "W"])
+            and forward_args(module) == ["x", "H", "W"])
 
 
 def is_patch_embed(module) -> bool:
@@ -64,7 +57,7 @@ def is_patch_embed(module) -> bool:
     FocalNet's too, whose overlapping variant has a larger kernel), forward(x) returning the map."""
     proj = getattr(module, "proj", None)
     return (isinstance(proj, nn.Conv2d) and tuple(proj.stride) == _pair(getattr(module, "patch_size", None))
-            and hasattr(module, "embed_dim") and hasattr(module, "norm") and _forward_args(module) == ["x"])
+            and hasattr(module, "embed_dim") and hasattr(module, "norm") and forward_args(module) == ["x"])
 
 
 def _pair(x):

@@ -2,13 +2,11 @@
 size-general rewrites (see adet_family.py). They are needed for every target: without them a trace bakes sizes."""
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from d2export.ops import level_shapes
 from d2export.patching import adet_family, msda_swap
-from d2export.patching.registry import module_where, register_patch
+from d2export.patching.registry import forward_args, module_where, register_patch
 
 
 register_patch("msda-core", module=module_where(msda_swap.is_msda),
@@ -53,10 +51,7 @@ def is_encoder_only(module) -> bool:
     embedding, forward(srcs, [masks,] pos_embeds), returning (memory, spatial_shapes, level_start_index[, ...])."""
     if not (hasattr(module, "encoder") and isinstance(getattr(module, "level_embed", None), torch.nn.Parameter)):
         return False
-    try:
-        names = list(inspect.signature(type(module).forward).parameters)[1:]
-    except (TypeError, ValueError):
-        return False
+    names = forward_args(module)
     return names[:1] == ["srcs"] and names[-1:] == ["pos_embeds"]
 
 

@@ -94,6 +94,15 @@ def module_where(has: Callable[[Any], bool]) -> Callable[[str, Any], bool]:
     return lambda name, module: has(module)
 
 
+def forward_args(module) -> list[str]:
+    """The names of a module's forward arguments after self (its class's, whatever an instance overrides): what
+    duck-typing tests read."""
+    try:
+        return list(inspect.signature(type(module).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return []
+
+
 # ---------------------------------------------------------------------------------------------------------- report
 @dataclass
 class PatchRecord:
