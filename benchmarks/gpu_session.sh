@@ -23,6 +23,9 @@
 #           prep) evaluated through the CUDA provider with d2export's defaults, float32 and float16; then what issue
 #           53's run measured: the micro spotter exported with verify.providers=[cuda], the box fixture evaluated
 #           through the CUDA provider, the CUDA-only test
+#   segmentation: (carry .gpu5 and the library, after run on the same machine) issue 77's rows: Mask2Former R-50
+#           and Swin-T panoptic, eager on the GPU against the CUDA provider with post-processing served and in the
+#           graph, 640² and 1024², batches 1 and 8 (a seventh call, under 9 minutes)
 # Six calls, about 11 minutes of device time in all (the first start about 1).
 #   train MINUTES [KEY VALUE ...]: (carry .gpu; one call) train the micro spotter on the GPU from the fixture, e.g.
 #           `train 6 --batch 16 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4`; score what comes back here with
@@ -165,6 +168,19 @@ checks)  # (carry .gpu5 and the library, after run on the same machine)
     --providers cuda --json "$OUT/eval_boxes.json" 2>&1 | tail -n 25 | tee "$OUT/eval_boxes.log"
   in_repo python3 -m pytest -q -x tests/test_device.py 2>&1 | tail -n 5
   ;;
+segmentation)  # (carry .gpu5 and the library, after run on the same machine) issue 77's GPU rows: Mask2Former
+  # R-50 and Swin-T COCO panoptic (the stand-in's full-size configs, seeded weights), exported and verified on the
+  # CPU provider, then eager PyTorch on the GPU against the CUDA provider's graph + served post-processing and the
+  # graph with post-processing inside, 640² and 1024², batches 1 and 8; $OUT/segmentation.log and .json
+  RUN_BUDGET=${RUN_BUDGET:-540}
+  exec > >(tee -a "$OUT/segmentation.log") 2>&1
+  assemble_ort || exit 1
+  refresh_repo
+  in_repo timeout -k 10 $((RUN_BUDGET - SECONDS)) python3 tools/benchmark.py segmentation --device cuda \
+    --tasks panoptic panoptic-swin --samplers fused --postprocess-graph --size 640 1024 --batches 1 8 --rounds 10 \
+    --threads 8 --out $W/segmentation
+  cp $W/segmentation/report.json "$OUT/segmentation.json" 2>/dev/null || echo "no report: the run was cut (above)"
+  ;;
 train)  # (carry .gpu) MINUTES [KEY VALUE ...]: issue 42's unblock — the micro spotter warm-started from the fixture,
         # trained on the GPU; its last float16 weights and its curve come back under $OUT (7.5 MB)
   install_site && refresh_repo || exit 1
@@ -180,7 +196,7 @@ recipe)  # (carry .gpu) PRETRAIN_MINUTES TRAIN_MINUTES [KEY VALUE ...]
   train_on_gpu $W/glyphs/model.pth "${3:-5}" --batch 16 --glyph-weight 5 SOLVER.BASE_LR 3e-4 SOLVER.LR_BACKBONE 3e-4 \
     MODEL.TRANSFORMER.TEXT_SLOT_REFERENCES True "${@:4}"
   ;;
-*) echo "usage: $0 pack DIR | prep | stash N | run | checks | train MINUTES [KEY VALUE ...]" \
+*) echo "usage: $0 pack DIR | prep | stash N | run | checks | segmentation | train MINUTES [KEY VALUE ...]" \
      "| recipe MIN MIN [KEY VALUE ...]" >&2
    exit 2 ;;
 esac

@@ -2,7 +2,8 @@
 
     .venv/bin/python tools/benchmark.py segmentation [--clone /src/Mask2Former] [--tasks panoptic instance semantic]
         [--sizes 320x320 480x640 640x480] [--batch 320x320 400x256] [--size 640] [--threads 2] [--rounds 3]
-        [--samplers gather fused] [--postprocess-graph] [--object-mask-threshold 0.2] [--overlap-threshold 0] [--out DIR]
+        [--samplers gather fused] [--postprocess-graph] [--device cuda] [--batches 1 8] [--object-mask-threshold 0.2]
+        [--overlap-threshold 0] [--out DIR]
 
 Without --clone, the stand-in of third_party/mask2former (its full-size configs). One run, one machine:
 1. per task's config (COCO panoptic, COCO instance, ADE20K semantic on R-50; `--tasks panoptic-swin`: COCO panoptic
@@ -16,19 +17,20 @@ Without --clone, the stand-in of third_party/mask2former (its full-size configs)
 3. post-processing alone: the served semantic, panoptic and instance results computed from the model's own head
    outputs against the model's own results from the same forward (equal, or the largest difference);
 4. latency at --size², batch 1, interleaved rounds, medians: eager PyTorch (the model as detectron2's DefaultPredictor
-   runs it on a CPU: the config's test resize, post-processing to the original size) against the runtime's Predictor
-   (graph + served post-processing) per sampler, the served time split into graph and post-processing; ratios.
+   runs it: the config's test resize, post-processing to the original size) against the runtime's Predictor (graph +
+   served post-processing) per sampler, the served time split into graph and post-processing; ratios. Each of --size
+   by each of --batches; `--device cuda`: eager on the GPU against the CUDA provider (benchmarks/gpu_session.sh).
 """
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.e2e import interleaved
 from d2export.commandline import parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,33 +155,32 @@ def postprocessing(model, post, sizes, seed) -> dict:
     return row
 
 
-def latency(model, predictors: dict, size: int, rounds: int) -> dict[str, float]:
-    """Medians of interleaved rounds: the eager model as detectron2's DefaultPredictor runs it (the picture resized
-    as the config's test size says, the original size asked back) against each Predictor, and the served time split
-    into the graph and the post-processing."""
+def latency(model, predictors: dict, size: int, rounds: int, batch: int = 1, device: str = "cpu") -> dict[str, float]:
+    """Medians of interleaved rounds, `batch` pictures of size² a call: the eager model as detectron2's
+    DefaultPredictor runs it (the pictures resized as the config's test size says, the original size asked back)
+    against each Predictor, and the served time split into the graph and the post-processing. On CUDA each eager call
+    ends with a synchronize (the served one ends on the host)."""
     import torch
 
-    image = _images([(size, size)], 11)[0]
-    hwc = np.ascontiguousarray(image.transpose(1, 2, 0))
+    hwcs = [np.ascontiguousarray(im.transpose(1, 2, 0)) for im in _images([(size, size)] * batch, 11)]
     first = next(iter(predictors.values()))
-    prepared = first.prepare(hwc)  # the Predictor's resize: both sides see the same pixels
-    runners = {"eager PyTorch (its forward, post-processing included)": lambda: model(
-        [{"image": torch.from_numpy(prepared.chw).float(), "height": size, "width": size}])}
+    prepared = [first.prepare(hwc) for hwc in hwcs]  # the Predictor's resize: both sides see the same pixels
+    inputs = [{"image": torch.from_numpy(p.chw).float(), "height": size, "width": size} for p in prepared]
+
+    def eager():
+        model(inputs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    runners = {"eager PyTorch (its forward, post-processing included)": eager}
     for s, p in predictors.items():
-        runners[f"onnxruntime {s} + served post-processing"] = lambda p=p: p.predict(hwc)
-        runners[f"  of which the graph ({s})"] = lambda p=p: p.run([prepared])
-    outputs = first.run([prepared])
-    runners["  of which the post-processing"] = lambda: first.postprocess(outputs, 0, prepared)
-    times = {k: [] for k in runners}
+        runners[f"onnxruntime {s} + served post-processing"] = lambda p=p: p.predict_batch(hwcs)
+        runners[f"  of which the graph ({s})"] = lambda p=p: p.run(prepared)
+    outputs = first.run(prepared)
+    runners["  of which the post-processing"] = lambda: [first.postprocess(outputs, i, p) for i, p in
+                                                         enumerate(prepared)]
     with torch.no_grad():
-        for run in runners.values():  # warm-up
-            run()
-        for _ in range(rounds):
-            for name, run in runners.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) * 1000 for k, v in times.items()}
+        return {k: 1000 * t for k, t in interleaved(runners, rounds, warmup=1).items()}
 
 
 def compute_floor(adapter, predictor, size: int, threads: int) -> tuple[float, float]:
@@ -200,7 +201,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=["panoptic", "instance", "semantic"], choices=list(CONFIGS))
     ap.add_argument("--sizes", nargs="+", default=["320x320", "480x640", "640x480"])
     ap.add_argument("--batch", nargs=2, default=["320x320", "400x256"])
-    ap.add_argument("--size", type=int, default=640, help="latency: square picture side")
+    ap.add_argument("--size", type=int, nargs="+", default=[640], help="latency: square picture sides")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1], help="latency: pictures a call")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="latency: eager on this device against the CUDA provider (parity stays on the CPU)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--samplers", nargs="+", default=["gather", "fused"])
@@ -240,24 +244,31 @@ def main(argv=None) -> int:
             print(f"{task} {name}: exported and verified in {time.perf_counter() - start:.0f} s "
                   f"({len({c['case'] for c in manifest.verification['cases']})} cases, largest difference "
                   f"{worst['output']} {worst['max_abs']:.2g})")
-            predictors[name] = Predictor(out / manifest.model_file, threads=args.threads)
+            predictors[name] = Predictor(out / manifest.model_file, [args.device], threads=args.threads)
         first = predictors[args.samplers[0]]
         rows = [parity(built.model, first.session, built.adapter, first.post, [_size(s)], 1) for s in args.sizes]
         rows.append(parity(built.model, first.session, built.adapter, first.post, [_size(s) for s in args.batch], 2))
         post_rows = [postprocessing(built.model, first.post, [_size(s) for s in args.batch], 3)]
-        ms = latency(built.model, predictors, args.size, args.rounds)
-        eager = next(iter(ms.values()))
         for row in rows + post_rows:
             print(f"  {task} {json.dumps(row)}")
-        for name, t in ms.items():
-            print(f"  {task} {args.size}²: {name:58s} {t:8.0f} ms" + ("" if name.startswith(" ") else
-                                                                      f"  {eager / t:5.2f}x"))
-        macs, floor = compute_floor(built.adapter, first, args.size, args.threads)
-        print(f"  {task} {args.size}²: compute floor of the graph {macs / 1e9:.0f} G multiply-adds at this machine's "
-              f"best float32 rate: {1e3 * floor:.0f} ms; with post-processing free, no float32 graph beats eager by "
-              f"more than {eager / (1e3 * floor):.2f}x")
-        report["tasks"][task] = {"parity": rows, "postprocessing": post_rows, "latency_ms": ms,
-                                 "graph_macs": macs, "floor_ms": 1e3 * floor}
+        report["tasks"][task] = {"parity": rows, "postprocessing": post_rows, "latency_ms": {}}
+        built.model.to(args.device)
+        for size in args.size:
+            for batch in args.batches:
+                case = f"{size}², batch {batch}"
+                ms = latency(built.model, predictors, size, args.rounds, batch, args.device)
+                eager = next(iter(ms.values()))
+                for name, t in ms.items():
+                    print(f"  {task} {case}: {name:58s} {t:8.0f} ms" + ("" if name.startswith(" ") else
+                                                                         f"  {eager / t:5.2f}x"))
+                report["tasks"][task]["latency_ms"][case] = ms
+                if args.device == "cpu" and batch == 1:
+                    macs, floor = compute_floor(built.adapter, first, size, args.threads)
+                    print(f"  {task} {case}: compute floor of the graph {macs / 1e9:.0f} G multiply-adds at this "
+                          f"machine's best float32 rate: {1e3 * floor:.0f} ms; with post-processing free, no float32 "
+                          f"graph beats eager by more than {eager / (1e3 * floor):.2f}x")
+                    report["tasks"][task] |= {"graph_macs": macs, "floor_ms": 1e3 * floor}
+        built.model.to("cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=1))
     return 0
