@@ -369,3 +369,20 @@ def test_results_computed_in_the_graph_are_upstreams_at_the_graphs_size(seed):
         np.testing.assert_array_equal(other.semantic, _masks._nearest(served.semantic, INPUTS[i], ORIGINALS[i]))
         assert other.segments == served.segments
 
+
+
+def test_subnormal_class_probabilities_change_no_result():
+    """Class logits 87-104 apart make softmax probabilities below float32's normal range (slow to multiply on Intel
+    cores: the served semantic product is lifted out of it); the semantic map, segments and instances stay
+    upstream's."""
+    post = post_dict(True)
+    outputs = fake_outputs(5, 2, (32, 40))
+    outputs["pred_logits"] *= 12
+    probs = _masks.softmax(outputs["pred_logits"])
+    assert ((probs > 0) & (probs < np.finfo(np.float32).tiny)).sum() > 40  # the case is what it says (a quarter)
+    for i, ref in enumerate(reference(standin(), outputs, INPUTS, INPUTS, post)):
+        served = _masks.mask_prediction(outputs, i, INPUTS[i], INPUTS[i], post)
+        diff = differences(served, ref, INPUTS[i], INPUTS[i], True)
+        assert diff == {"semantic_pixels": 0, "panoptic_pixels": 0, "segments_differ": 0, "instances_missing": 0,
+                        "score": pytest.approx(0, abs=1e-6), "mask_pixels": 0}, diff
+        assert len(np.unique(served.semantic)) > 2 and len(served.segments) > 1

@@ -58,6 +58,13 @@ from d2export.instances import Instance, Prediction, Segment, encode_mask
 MASK_STRIDE = 4  # pred_masks is over the padded batch at 1/4 of its size (the pixel decoder's finest level)
 _RESIZE_CHUNK = 1 << 20  # float32 elements a resize step holds per map group: small enough to stay in cache
 _BAND = 1 << 19  # float32 elements of mask probabilities per band of rows: a band is made, used and dropped in cache
+# Class probabilities below float32's normal range (a softmax over logits 87+ apart: seeded weights make thousands)
+# cost 40-80x a multiply on Intel cores (microcode assists; on AMD's barely more): the semantic product of 640² took
+# 7.7 s instead of 0.1. Lifted by 2^LIFT, both factors are normal; products and sums round exactly as the unlifted
+# ones wherever those are normal (a power of two commutes with rounding) and better where those underflow (scores
+# under 1e-38, whose order the 1e-4 tie rule already leaves to noise); the argmax is the same. (The graph's product,
+# export.postprocess=graph, stays unlifted: verification pins its ArgMax by absolute gaps; GPUs take subnormals.)
+LIFT = 48
 
 
 # export.postprocess=graph: what the graph computes per task (d2export/tracing/mask_results.py), served by
@@ -431,12 +438,13 @@ class _SemanticMap:
     """semantic_inference's argmax (the first highest class, as torch's), a band at a time."""
 
     def __init__(self, classes: np.ndarray, hw: tuple[int, int]):
-        self.classes = classes  # [Q, K]: Rules.semantic
+        self.classes = np.ldexp(classes, LIFT, dtype=np.float32)  # [Q, K]: Rules.semantic
         self.map = np.zeros(hw, np.int32)
 
     def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray | None) -> None:
         q, rows, w = probs.shape
-        scores = probs.reshape(q, -1).T @ self.classes  # [pixels, K]: the argmax along contiguous memory
+        lifted = np.ldexp(probs.reshape(q, -1), LIFT, dtype=np.float32)
+        scores = lifted.T @ self.classes  # [pixels, K]: the argmax along contiguous memory
         self.map[start:stop] = scores.argmax(-1).reshape(rows, w)
 
 
