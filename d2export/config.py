@@ -214,9 +214,9 @@ def resolve(cfg: Any) -> D2ExportConfig:
         raise ConfigError(f"export.device={e.device!r}: choose auto, cpu, cuda or cuda:N")
     if e.opset is None:
         e.opset = default_opset(e.target)
-    if e.sampler == "fused" and (e.exporter != "torchscript" or e.target != "onnxruntime"):
-        raise ConfigError("export.sampler=fused is an onnxruntime operator exported by the torchscript exporter: "
-                          "use export.target=onnxruntime export.exporter=torchscript (for TensorRT: trt_plugin)")
+    if e.sampler == "fused" and e.target != "onnxruntime":
+        raise ConfigError("export.sampler=fused is an onnxruntime operator: use export.target=onnxruntime "
+                          "(for TensorRT: export.sampler=trt_plugin)")
     lo, hi = OPSETS[e.target]
     if not lo <= e.opset <= hi:
         raise ConfigError(f"export.opset={e.opset}: {e.target} takes {lo}–{hi}")

@@ -14,3 +14,17 @@ def test_torch_export_based_exporter_is_size_and_batch_general(tmp_path):
     model = onnx.load(str(tmp_path / "model.onnx"))
     assert manifest.opset == model.opset_import[0].version  # the graph's own opset, whatever was asked
     assert "GridSample" not in {n.op_type for n in model.graph.node}
+
+
+def test_fused_sampler_through_torch_export_is_one_node_per_attention(tmp_path):
+    """export.sampler=fused through torch.export: d2export's custom op, translated to the same d2export-domain node
+    the TorchScript route writes (one per MSDA module), verified on its kernel like that route's."""
+    from d2export.runtime.custom_ops import FUSED_MSDA_ID
+
+    manifest = export("textdet_tiny", tmp_path, "export.exporter=dynamo", "export.sampler=fused", "export.lint=false",
+                      "verify.sizes=[[224,160]]")
+    assert manifest.verification["passed"] is True and manifest.custom_ops == [FUSED_MSDA_ID]
+    assert any(c["case"].startswith("batch ") for c in manifest.verification["cases"])
+    model = onnx.load(str(tmp_path / "model.onnx"))
+    ours = [n for n in model.graph.node if n.domain == "d2export"]
+    assert len(ours) == 3 and {n.op_type for n in ours} == {"MultiScaleDeformableAttention"}  # tiny: 3 modules

@@ -130,9 +130,45 @@ def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, op
             shapes = _dynamic_shapes(args, input_names, dynamic_axes)
             with _quiet_loggers("onnxscript", "onnx_ir"):  # a line per rewrite and folded node at INFO
                 program = torch.onnx.export(module, args, dynamic_shapes=shapes, dynamo=True, optimize=False,
-                                            verbose=False, **kwargs)
+                                            verbose=False, custom_translation_table=_translations(), **kwargs)
                 _fold(program.model)
             program.save(str(dst))
+
+
+def _translations() -> dict:
+    """d2export's own ops as torch.export records them -> their ONNX nodes: the fused MSDA as the one node of
+    d2export's domain the TorchScript route writes (float32 and int64 operands, the types its kernel declares)."""
+    import onnxscript
+    from onnxscript import opset18 as op
+
+    import d2export.ops.msda  # noqa: F401  (registers torch.ops.d2export.fused_msda)
+    from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
+
+    _declare(DOMAIN, FUSED_MSDA, ("value", "spatial_shapes", "level_start_index", "sampling_locations",
+                                  "attention_weights"), ("float", "int64", "int64", "float", "float"))
+    ours = onnxscript.values.Opset(DOMAIN, 1)
+    float32, int64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
+
+    def fused(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        return getattr(ours, FUSED_MSDA)(op.Cast(value, to=float32), op.Cast(spatial_shapes, to=int64),
+                                         op.Cast(level_start_index, to=int64), op.Cast(sampling_locations, to=float32),
+                                         op.Cast(attention_weights, to=float32))
+
+    return {torch.ops.d2export.fused_msda.default: fused}
+
+
+def _declare(domain: str, name: str, inputs: Sequence[str], types: Sequence[str]) -> None:
+    """Our node's schema for onnx (once per process): the exporter converts its opset-18 graph to the opset asked
+    for, and onnx's version converter refuses a node it knows no schema of."""
+    try:
+        from onnx.defs import OpSchema, has, register_schema
+    except ImportError:  # onnx < 1.16 registers none: the graph stays at the exporter's opset
+        return
+    if has(name, domain):
+        return
+    param = OpSchema.FormalParameter
+    register_schema(OpSchema(name, domain, 1, inputs=[param(n, f"tensor({t})") for n, t in zip(inputs, types)],
+                             outputs=[param("out", "tensor(float)")]))
 
 
 def _fold(model) -> None:

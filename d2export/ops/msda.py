@@ -86,8 +86,8 @@ def multi_scale_deformable_attention(value: torch.Tensor, spatial_shapes: torch.
     compute = torch.promote_types(value.dtype, torch.float32)
     args = (_to(value, compute), spatial_shapes, level_start_index, _to(sampling_locations, compute),
             _to(attention_weights, compute))
-    if name == "fused":
-        out = _FusedMSDA.apply(*args)
+    if name == "fused":  # torch.export records the custom op, onnx_export translates it to the same node
+        out = fused_msda(*args) if torch.compiler.is_exporting() else _FusedMSDA.apply(*args)
     else:
         out = _gather(*args) if name == "gather" else _per_level_grid_sample(*args)
     return _to(out, value.dtype)
@@ -271,6 +271,20 @@ class _FusedMSDA(torch.autograd.Function):
                    _cast(g, level_start_index, int64), _cast(g, sampling_locations, float32),
                    _cast(g, attention_weights, float32))
         return out.setType(value.type().with_sizes(_output_sizes(value, sampling_locations)))
+
+
+@torch.library.custom_op("d2export::fused_msda", mutates_args=())
+def fused_msda(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
+               sampling_locations: torch.Tensor, attention_weights: torch.Tensor) -> torch.Tensor:
+    """The fused node for torch.export (an autograd.Function's symbolic is TorchScript's alone): eagerly the gather
+    formulation, recorded as one op that d2export.exporting.onnx_export translates to the custom-domain node."""
+    return _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, chunks=1)
+
+
+@fused_msda.register_fake
+def _fused_msda_sizes(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    n, _, m, d = value.shape
+    return value.new_empty((n, sampling_locations.shape[1], m * d))
 
 
 def _output_sizes(value, sampling_locations) -> list[int | None]:
