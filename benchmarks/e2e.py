@@ -341,7 +341,7 @@ def main(argv=None):
                    help="sizes of the per-size table (none: skip it)")
     p.add_argument("--size-runs", type=int, default=2, help="timed images per size after a warm-up one")
     p.add_argument("--plot", help="write the per-size figure here (PNG; default: no figure)")
-    p.add_argument("--dynamo", action="store_true", help="also export the first sampler with torch.export")
+    p.add_argument("--dynamo", action="store_true", help="also export each sampler with torch.export")
     p.add_argument("--fp16", action="store_true", help="also a float16 copy of the first graph, with its parity")
     p.add_argument("--int8", nargs="*", default=[], choices=["dynamic", "static"],
                    help="also int8 copies of every graph (export.int8's quantisation), timed beside them")
@@ -370,7 +370,7 @@ def main(argv=None):
               f"onnxruntime {onnxruntime.__version__}, {_cpu()}, load average at start {os.getloadavg()[0]:.1f}")
     print(f"# d2export end-to-end: {header}")
 
-    variants = [(s, "torchscript") for s in args.samplers] + ([(args.samplers[0], "dynamo")] if args.dynamo else [])
+    variants = [(s, e) for s in args.samplers for e in ("torchscript", "dynamo")[:1 + args.dynamo]]
     exports, sessions = {}, {}
     print("\n## export (fresh child process each; dummy size from the config, dynamic H/W) and session creation")
     print(f"{'graph':24s} {'nodes':>6s} {'export s':>9s} {'peak RSS GB':>12s} {'session s: no cache':>20s} "

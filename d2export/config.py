@@ -65,7 +65,8 @@ class ExportConfig:
     device: str = opt("auto", "where the model is built and traced and its eager references computed: auto (cuda "
                       "where torch sees a GPU) | cpu | cuda | cuda:N. The graph is the same either way; on CUDA, "
                       "TF32 is off while references are computed (it would swap near-tied proposals)")
-    exporter: str = opt("torchscript", "torchscript | dynamo (torch.export-based)")
+    exporter: str = opt("torchscript", "torchscript | dynamo (torch.export-based) | auto (TorchScript, then "
+                        "torch.export where it fails; the manifest names the route that wrote the graph)")
     target: str = opt("onnxruntime", "onnxruntime | tensorrt: the runtime the graph is shaped for (patches, opsets)")
     opset: Optional[int] = opt(None, "ONNX opset; null: 17 (onnxruntime 11–21, tensorrt 16–19)")
     sampler: str = opt("gather", "MSDA sampler in the graph: gather (portable, the default) | grid_sample (GridSample "
@@ -206,7 +207,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
     if (m.d2_config is None) == (m.lazy_config is None):
         raise ConfigError("give exactly one of model.d2_config (a yacs YAML) and model.lazy_config (a LazyConfig .py)"
                           f", got {'both' if m.d2_config else 'neither'}")
-    _one_of("export.exporter", e.exporter, EXPORTERS)
+    _one_of("export.exporter", e.exporter, EXPORTERS + ("auto",))
     _one_of("export.target", e.target, TARGETS)
     _one_of("export.sampler", e.sampler, SAMPLERS)
     _one_of("export.postprocess", e.postprocess, ("outside", "graph"))

@@ -26,7 +26,7 @@ from d2export import __version__, building, progress
 from d2export.config import D2ExportConfig, check_files
 from d2export.exporting import verifying
 from d2export.exporting.lint import lint_export
-from d2export.exporting.onnx_export import export_onnx, export_scope, traced_sizes
+from d2export.exporting.onnx_export import ExportError, export_onnx, export_scope, traced_sizes
 # ladder and reduced_tolerances live in verifying.py; d2export.pipeline keeps them for its callers (docs/ladder.md)
 from d2export.exporting.verifying import (  # noqa: F401
     ladder, reduced_tolerances, verification_cases, verification_sizes)
@@ -156,17 +156,12 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
         progress.step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
         with stage("verify"):
             cases = verification_cases(built)  # eager, before any export-time patch: the independent side
-    args = torch_inputs(adapter, dummy_images(traced_sizes(cfg, adapter.batchable), cfg.model.seed))
     axes = adapter.dynamic_axes if e.dynamic else None
     with contextlib.ExitStack() as publish:  # the manifest is staged outside the model: renamed after it
         staged_manifest = publish.enter_context(staged(manifest_path(final)))
         with staged(final, suffix=".staged.onnx") as staged_model:
             with export_scope(built) as report:
-                progress.step(4, "exporting", f"{e.exporter} exporter, opset {e.opset}, sampler {e.sampler}")
-                with progress.busy(f"exporting ({e.exporter})"), stage("export"):
-                    result = export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
-                                         output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
-                                         exporter=e.exporter, simplify=e.simplify)
+                result = _export_by_route(cfg, built, staged_model, axes)
                 log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
                 _fault_point("exported")
                 lint = lint_export(built, staged_model, result, axes) if e.lint else None
@@ -190,6 +185,28 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
     _fault_point("done")
     progress.step(6, "done", f"{final} ({final.stat().st_size / 1e6:.1f} MB), manifest {manifest_path(final).name}")
     return manifest
+
+
+def _export_by_route(cfg: D2ExportConfig, built: Built, staged_model: Path, axes):
+    """The graph through export.exporter's route; `auto`: TorchScript's, then torch.export's where that fails (the
+    route PyTorch keeps). The config then names the route that wrote the graph: the lint, the ladder and the
+    manifest read it."""
+    e, adapter = cfg.export, built.adapter
+    routes = ["torchscript", "dynamo"] if e.exporter == "auto" else [e.exporter]
+    for i, route in enumerate(routes):
+        e.exporter = route
+        args = torch_inputs(adapter, dummy_images(traced_sizes(cfg, adapter.batchable), cfg.model.seed))
+        progress.step(4, "exporting", f"{route} exporter, opset {e.opset}, sampler {e.sampler}")
+        try:
+            with progress.busy(f"exporting ({route})"), stage("export"):
+                return export_onnx(adapter, args, staged_model, input_names=adapter.input_names,
+                                   output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
+                                   exporter=route, simplify=e.simplify)
+        except ExportError as error:
+            if i + 1 == len(routes):
+                raise
+            log.warning("export.exporter=auto: the %s exporter failed, trying %s next:\n%s", route, routes[i + 1],
+                        error)
 
 
 def _manifest(built: Built, model: Path, name: str, report, lint, verification: dict, started: float) -> Manifest:
