@@ -89,12 +89,15 @@ def export_in_child(config: str, sampler: str, exporter: str, path: Path, *overr
 def session_options(threads: int, profile_prefix: str | None = None):
     import onnxruntime as ort
 
+    from d2export.runtime.predictor import serving_settings
+
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.intra_op_num_threads = threads
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.log_severity_level = 3  # no warnings about constant folding it skipped
+    serving_settings(opts, ["CPUExecutionProvider"])  # the optimizers the runtime's own CPU sessions leave out
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix

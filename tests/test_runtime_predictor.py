@@ -191,25 +191,52 @@ def matmul_add_graph(path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
 
 
-@pytest.mark.parametrize("providers, fused", [(["CPUExecutionProvider"], True),
-                                              (["CUDAExecutionProvider", "CPUExecutionProvider"], False)])
-def test_cuda_sessions_keep_matmul_and_add_apart(tmp_path, providers, fused):
-    """The optimizer's name and config key as this onnxruntime knows them: the optimised graph (here on the CPU, which
-    runs the same transformer) keeps MatMul + Add only where the options a CUDA session gets disable the fusion."""
+def add_layernorm_graph(path) -> None:
+    """Add + LayerNormalization over a static hidden size: onnxruntime's SkipLayerNormalization pattern."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = [numpy_helper.from_array(np.ones(8, np.float32), "g"), numpy_helper.from_array(np.zeros(8, np.float32),
+                                                                                            "b")]
+    nodes = [helper.make_node("Add", ["x", "skip"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "g", "b"], ["y"], axis=-1, epsilon=1e-5)]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["n", "l", 8]) for n in ("x", "skip")]
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                                                 ["n", "l", 8])], weights)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+def _optimised_ops(tmp_path, graph, providers) -> tuple[list[str], list[str]]:
     import onnx
     import onnxruntime as ort
 
     from d2export.runtime.predictor import disabled_optimizers, serving_settings
 
-    matmul_add_graph(tmp_path / "mm.onnx")
     options = ort.SessionOptions()
-    serving_settings(options, providers)
+    if providers is not None:
+        serving_settings(options, providers)
     options.optimized_model_filepath = str(tmp_path / "optimised.onnx")
     options.log_severity_level = 3
-    session = ort.InferenceSession(str(tmp_path / "mm.onnx"), options, providers=["CPUExecutionProvider"])
-    ops = [n.op_type for n in onnx.load(str(tmp_path / "optimised.onnx")).graph.node]
-    assert ("Gemm" in ops) is fused and (ops == ["MatMul", "Add"]) is not fused
-    assert disabled_optimizers(session) == ([] if fused else ["MatMulAddFusion"])
+    session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
+    return [n.op_type for n in onnx.load(str(tmp_path / "optimised.onnx")).graph.node], disabled_optimizers(session)
+
+
+@pytest.mark.parametrize("providers, off", [
+    (["CPUExecutionProvider"], ["MatMulAddFusion", "SkipLayerNormFusion"]),
+    (["CUDAExecutionProvider", "CPUExecutionProvider"], ["MatMulAddFusion"])])
+def test_serving_sessions_keep_matmul_and_add_apart(tmp_path, providers, off):
+    """The optimizers' names and config key as this onnxruntime knows them: the optimised graph (here on the CPU,
+    which runs the same transformers) fuses MatMul + Add into Gemm, and Add + LayerNormalization into
+    SkipLayerNormalization, by default; a serving session keeps MatMul + Add apart on either provider, and Add +
+    LayerNormalization where the CPU alone serves."""
+    matmul_add_graph(tmp_path / "mm.onnx")
+    add_layernorm_graph(tmp_path / "ln.onnx")
+    assert "Gemm" in _optimised_ops(tmp_path, tmp_path / "mm.onnx", None)[0]
+    assert "SkipLayerNormalization" in _optimised_ops(tmp_path, tmp_path / "ln.onnx", None)[0]
+    ops, disabled = _optimised_ops(tmp_path, tmp_path / "mm.onnx", providers)
+    assert ops == ["MatMul", "Add"] and disabled == off
+    ops, _ = _optimised_ops(tmp_path, tmp_path / "ln.onnx", providers)
+    assert ("SkipLayerNormalization" in ops) is ("SkipLayerNormFusion" not in off)
 
 
 class FakeCudaSession:
@@ -284,7 +311,7 @@ def test_without_cuda_graphs_one_plain_session(tiny_export, fake_cuda, caplog):
     with caplog.at_level("WARNING", logger="d2export"):
         served = Predictor(tiny_export[2], threads=1, cuda_graph=True)  # the CPU alone: nothing to capture
     assert served.bound is None and "they need the CUDA provider" in caplog.text
-    assert served.metadata()["disabled_optimizers"] == []
+    assert served.metadata()["disabled_optimizers"] == ["MatMulAddFusion", "SkipLayerNormFusion"]
 
 
 def test_the_predictor_reports_the_providers_it_really_runs_on(tiny_export, monkeypatch):
