@@ -432,6 +432,12 @@ SIZE_GENERAL = {
     "keypoints-from-heatmaps": [(Target(17), _keypoints_from_heatmaps, _heatmaps_and_rois, [[0], [0]])],
     "split-whole": [(Target(17), lambda x: x.split([len(x)])[0] * 2, lambda h, w: [randn(h, w)], [[0, 1]]),
                     (Target(17), lambda x: torch.split(x, [x.shape[2]], dim=2)[0] + 1, _image(), [[0, 2, 3]])],
+    "einsum-as-matmul": [(Target(17), lambda a, b: torch.einsum("bqc,bchw->bqhw", a, b),
+                          lambda h, w: [randn(2, 5, 3), randn(2, 3, h, w)], [[], [2, 3]]),
+                         (Target(17), lambda a, b: torch.einsum("nqc, nqhw -> nchw", [a, b]),  # spaces, a list
+                          lambda h, w: [randn(2, 5, 3), randn(2, 5, h, w)], [[], [2, 3]]),
+                         (Target(17), lambda a, b: torch.einsum("hc,wkc->kwh", a, b),  # permuted both ways
+                          lambda h, w: [randn(h, 3), randn(w, 4, 3)], [[0], [0]])],
     "bitmask-boxes": [(Target(17), lambda x: _bitmasks(x > 1.5).get_bounding_boxes().tensor,
                        lambda h, w: [randn(h, 9, w)], [[0, 2]])],  # as many masks as h: the count follows the size
 }
@@ -523,3 +529,24 @@ def test_nearest_rewrite_leaves_eager_calls_to_torch():
     with apply_patches(only=["interpolate-nearest"]) as report:
         out = F.interpolate(x, size=(4, 5))
     assert torch.equal(out, F.interpolate(x, size=(4, 5))) and report["interpolate-nearest"].hits == 0
+
+
+@pytest.mark.parametrize("equation, shapes", [
+    ("bqc,bchw->bqhw", [(2, 5, 3), (2, 3, 7, 4)]), ("qc,qhw->chw", [(5, 3), (5, 7, 4)]),
+    ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]), ("ij,kj->ki", [(3, 4), (5, 4)]), ("i,j->ij", [(3,), (4,)]),
+    ("abc,cd->dba", [(2, 3, 4), (4, 5)]), ("ij,ij->ij", [(3, 4), (3, 4)])])
+def test_einsum_as_one_matmul_is_einsum(equation, shapes):
+    from d2export.ops.rewrites import einsum_as_matmul
+
+    a, b = (randn(*s).double() for s in shapes)
+    want = torch.einsum(equation, a, b)
+    got = einsum_as_matmul(equation, a, b)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("equation", ["...ij,...jk->...ik", "ij,jk->i", "ijj,jk->ik", "ij,jk->ikz", "ij,jk"])
+def test_einsum_that_is_no_single_matmul_is_left_to_torch(equation):
+    from d2export.ops.rewrites import einsum_as_matmul
+
+    assert einsum_as_matmul(equation, randn(3, 3), randn(3, 3)) is None

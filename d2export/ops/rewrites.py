@@ -45,6 +45,35 @@ def inverse(a: Tensor) -> Tensor:
     return _gauss_jordan(a)
 
 
+def einsum_as_matmul(equation: str, a: Tensor, b: Tensor) -> Optional[Tensor]:
+    """torch.einsum of two operands as one (batched) MatMul between permutes and reshapes, where the equation is
+    one: every index once per operand, each either shared by both and the output (batch), by both operands alone
+    (summed) or by one operand and the output. None for any other equation (ellipses, traces, one-sided sums)."""
+    inputs, arrow, out = equation.replace(" ", "").partition("->")
+    left, comma, right = inputs.partition(",")
+    if not (arrow and comma) or "." in equation or any(len(set(t)) != len(t) for t in (left, right, out)):
+        return None
+    if set(out) - set(left + right) or (set(left) ^ set(right)) - set(out) or a.dim() != len(left) \
+            or b.dim() != len(right):
+        return None
+    batch = [c for c in out if c in left and c in right]
+    free_a, free_b = [c for c in out if c not in right], [c for c in out if c not in left]
+    summed = [c for c in left if c in right and c not in out]
+    size = {c: a.shape[i] for i, c in enumerate(left)} | {c: b.shape[i] for i, c in enumerate(right)}
+
+    def grouped(x: Tensor, letters: str, groups) -> Tensor:
+        order = [letters.index(c) for group in groups for c in group]
+        x = x.permute(order) if order != sorted(order) else x
+        return x.reshape(*[size[c] for c in groups[0]], _prod([size[c] for c in groups[1]]),
+                         _prod([size[c] for c in groups[2]]))
+
+    product = grouped(a, left, (batch, free_a, summed)) @ grouped(b, right, (batch, summed, free_b))
+    made = batch + free_a + free_b
+    product = product.reshape(*[size[c] for c in made])
+    order = [made.index(c) for c in out]
+    return product.permute(order) if order != sorted(order) else product
+
+
 def _inverse4(a: Tensor) -> Tensor:
     # Laplace expansion by complementary 2x2 minors of the top (s) and bottom (c) row pairs.
     (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33) = (
