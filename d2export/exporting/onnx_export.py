@@ -128,6 +128,9 @@ def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, op
                               do_constant_folding=True, **kwargs)
         else:
             shapes = _dynamic_shapes(args, input_names, dynamic_axes)
+            # torch.export translates to opset 18 and up; asked for less, it tries onnx's version converter, which
+            # has no adapter for these graphs' Pad, and prints the converter's traceback: the graph stays at 18
+            kwargs["opset_version"] = max(opset, 18)
             with _quiet_loggers("onnxscript", "onnx_ir"):  # a line per rewrite and folded node at INFO
                 program = torch.onnx.export(module, args, dynamic_shapes=shapes, dynamo=True, optimize=False,
                                             verbose=False, custom_translation_table=_translations(), **kwargs)
