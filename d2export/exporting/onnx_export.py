@@ -145,10 +145,9 @@ def _translations() -> dict:
     from onnxscript import opset18 as op
 
     import d2export.ops.msda  # noqa: F401  (registers torch.ops.d2export.fused_msda)
-    from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
+    from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA, FUSED_MSDA_INPUTS
 
-    _declare(DOMAIN, FUSED_MSDA, ("value", "spatial_shapes", "level_start_index", "sampling_locations",
-                                  "attention_weights"), ("float", "int64", "int64", "float", "float"))
+    _declare(DOMAIN, FUSED_MSDA, FUSED_MSDA_INPUTS, ("float", "int64", "int64", "float", "float"))
     ours = onnxscript.values.Opset(DOMAIN, 1)
     float32, int64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
 
@@ -161,8 +160,8 @@ def _translations() -> dict:
 
 
 def _declare(domain: str, name: str, inputs: Sequence[str], types: Sequence[str]) -> None:
-    """Our node's schema for onnx (once per process): the exporter converts its opset-18 graph to the opset asked
-    for, and onnx's version converter refuses a node it knows no schema of."""
+    """Our node's schema for onnx (once per process): asked for an opset above 18, the exporter converts its
+    opset-18 graph, and onnx's version converter refuses a node it knows no schema of."""
     try:
         from onnx.defs import OpSchema, has, register_schema
     except ImportError:  # onnx < 1.16 registers none: the graph stays at the exporter's opset
