@@ -59,6 +59,26 @@ def test_the_unedited_model_is_recognised_and_exports_verified(exported):
     assert len(post["class_names"]) == 133 and 0 in post["thing_ids"] and 132 not in post["thing_ids"]
 
 
+def test_the_attention_masks_are_made_from_shrunk_mask_features_not_from_full_size_products(exported):
+    """resize-before-product: each layer's attention mask is the product of the mask features shrunk to its level,
+    so no Resize in the graph reads a MatMul's output, and the one full-size product left is `pred_masks`'."""
+    import onnx
+
+    _, manifest, path = exported
+    graph = onnx.load(str(path)).graph
+    made_by = {out: node for node in graph.node for out in node.output}
+
+    def source(name):  # through the reshapes and permutes the product is wrapped in
+        node = made_by.get(name)
+        while node is not None and node.op_type in ("Reshape", "Transpose", "Unsqueeze", "Squeeze"):
+            node = made_by.get(node.input[0])
+        return node
+
+    resized = [source(n.input[0]) for n in graph.node if n.op_type == "Resize"]
+    assert resized and not any(s is not None and s.op_type == "MatMul" for s in resized)
+    assert next(p for p in manifest.patches if p["name"] == "resize-before-product")["hits"] >= 3
+
+
 def _eager_head(model, images):
     """The head's outputs inside the model's own forward (list[dict], its ImageList padding), captured by a hook."""
     seen = []

@@ -368,6 +368,12 @@ def _heatmaps_and_rois(h, w):
     return [randn(n, 3, 14, 14), torch.cat([corner, corner + torch.tensor([w, h]) * (1 + randn(n, 1).abs())], 1)]
 
 
+def _shrunk_product(a, b, like):
+    """Mask2Former's next attention mask: the mask logits' product, shrunk bilinearly to another level's size."""
+    return F.interpolate(torch.einsum("bqc,bchw->bqhw", a, b), size=like.shape[-2:], mode="bilinear",
+                         align_corners=False)
+
+
 def _mask_to_size(mask, like):
     """Deformable-DETR's padding mask of an extra feature level: the first level's resized to the level's size."""
     return F.interpolate(mask[None].float(), size=like.shape[-2:]).to(torch.bool)[0]
@@ -438,6 +444,9 @@ SIZE_GENERAL = {
                           lambda h, w: [randn(2, 5, 3), randn(2, 5, h, w)], [[], [2, 3]]),
                          (Target(17), lambda a, b: torch.einsum("hc,wkc->kwh", a, b),  # permuted both ways
                           lambda h, w: [randn(h, 3), randn(w, 4, 3)], [[0], [0]])],
+    "resize-before-product": [(Target(17), _shrunk_product,  # Mask2Former's attention masks: another level's size
+                               lambda h, w: [randn(2, 5, 3), randn(2, 3, h, w), randn(1, h // 2 + 1, w // 3 + 1)],
+                               [[], [2, 3], [1, 2]])],
     "bitmask-boxes": [(Target(17), lambda x: _bitmasks(x > 1.5).get_bounding_boxes().tensor,
                        lambda h, w: [randn(h, 9, w)], [[0, 2]])],  # as many masks as h: the count follows the size
 }
@@ -550,3 +559,45 @@ def test_einsum_that_is_no_single_matmul_is_left_to_torch(equation):
     from d2export.ops.rewrites import einsum_as_matmul
 
     assert einsum_as_matmul(equation, randn(3, 3), randn(3, 3)) is None
+
+
+@pytest.mark.parametrize("size", [(6, 9), (23, 5), (1, 1), (23, 16)])  # shrunk both ways, one, to a pixel, the other
+def test_a_shrunk_product_is_the_product_of_the_shrunk_operand(size):
+    """float64 reference: the product made at full size, then shrunk; the rewrite (float32) shrinks the mask features
+    first. A batch of 2, non-square, the operand's letters in either position; values up to ~30."""
+    a, b = randn(2, 7, 5), randn(2, 5, 23, 17) * 3
+    for equation, operands in (("bqc,bchw->bqhw", (a, b)), ("bchw,bqc->bqhw", (b, a))):
+        want = F.interpolate(torch.einsum(equation, *(x.double() for x in operands)), size=size, mode="bilinear",
+                             align_corners=False)
+        with apply_patches(target=None, only=["einsum-as-matmul", "resize-before-product"]) as report:
+            got = F.interpolate(torch.einsum(equation, *operands), size=size, mode="bilinear", align_corners=False)
+        assert report["resize-before-product"].hits == 1 and got.shape == want.shape
+        # float32's bilinear weights round to ~1e-6 of the values, in torch's own order as in ours
+        assert (got.double() - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("call", [
+    lambda p: F.interpolate(p, size=(40, 30), mode="bilinear", align_corners=False),  # grown: dearer after the product
+    lambda p: F.interpolate(p, size=(30, 9), mode="bilinear", align_corners=False),  # grown one way
+    lambda p: F.interpolate(p, size=(6, 9), mode="bilinear", align_corners=True),  # another function
+    lambda p: F.interpolate(p, size=(6, 9), mode="bicubic", align_corners=False),
+    lambda p: F.interpolate(p, size=(6, 9), mode="bilinear", antialias=True),
+    lambda p: F.interpolate(p.clone(), size=(6, 9), mode="bilinear"),  # not the product itself
+    lambda p: F.interpolate(p, scale_factor=0.5, mode="bilinear")])
+def test_a_product_resized_otherwise_is_left_to_torch(call):
+    a, b = randn(2, 7, 5), randn(2, 5, 23, 17)
+    want = call(torch.einsum("bqc,bchw->bqhw", a, b))
+    with apply_patches(target=None, only=["einsum-as-matmul", "resize-before-product"]) as report:
+        got = call(torch.einsum("bqc,bchw->bqhw", a, b))
+    assert report["resize-before-product"].hits == 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_product_over_the_spatial_letters_is_not_resized_through():
+    """Output letters that the other operand also has (here: a sum's letters kept): no operand carries them alone."""
+    from d2export.ops.rewrites import spatial_operand
+
+    assert spatial_operand("bqhw,bchw->bqhw", randn(1, 2, 3, 4), randn(1, 2, 3, 4)) is None
+    assert spatial_operand("bqc,bchw->bqwh", randn(1, 2, 3), randn(1, 3, 4, 5)) is None  # transposed: another map
+    assert spatial_operand("qc,chw->qhw", randn(2, 3), randn(3, 4, 5)) is None  # 3-D: no bilinear over it
+    assert spatial_operand("bqc,bchw->bqhw", randn(1, 2, 3), randn(1, 3, 4, 5)) == 1

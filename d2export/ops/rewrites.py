@@ -74,6 +74,21 @@ def einsum_as_matmul(equation: str, a: Tensor, b: Tensor) -> Optional[Tensor]:
     return product.permute(order) if order != sorted(order) else product
 
 
+def spatial_operand(equation: str, a: Tensor, b: Tensor) -> Optional[int]:
+    """For a two-operand product whose output ends in two letters that end one 4-D operand and are absent from the
+    other (Mask2Former's mask logits, "bqc,bchw->bqhw"): that operand's index, else None. A bilinear resize acts on
+    those two dims alone and linearly, so resizing the product is the product with that operand resized."""
+    inputs, _, out = equation.replace(" ", "").partition("->")
+    letters = inputs.split(",")
+    if len(letters) != 2 or len(out) != 4 or "." in equation:
+        return None
+    last = out[-2:]
+    for i, (mine, other, x) in enumerate(((letters[0], letters[1], a), (letters[1], letters[0], b))):
+        if len(mine) == 4 and x.dim() == 4 and mine[-2:] == last and not set(last) & set(other):
+            return i
+    return None
+
+
 def _inverse4(a: Tensor) -> Tensor:
     # Laplace expansion by complementary 2x2 minors of the top (s) and bottom (c) row pairs.
     (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33) = (

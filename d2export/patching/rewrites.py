@@ -7,7 +7,10 @@ Replacements return NotImplemented for calls the original handles right.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
+import torch.nn.functional as F
 
 from d2export.ops import level_shapes
 from d2export.ops import rewrites as ops
@@ -208,4 +211,50 @@ def einsum(equation, *operands):
     if not isinstance(equation, str) or len(operands) != 2:
         return NotImplemented
     out = ops.einsum_as_matmul(equation, *operands)
-    return NotImplemented if out is None else out
+    if out is None:
+        return NotImplemented
+    if ops.spatial_operand(equation, *operands) is not None:
+        _remember_product(out, equation, operands)
+    return out
+
+
+# Products a later bilinear resize may move behind (resize-before-product), by the result's id while it lives.
+_PRODUCTS: dict[int, tuple] = {}
+
+
+def _remember_product(out, equation: str, operands) -> None:
+    key = id(out)
+    _PRODUCTS[key] = (weakref.ref(out, lambda _: _PRODUCTS.pop(key, None)), equation, tuple(operands))
+
+
+def _hint(size) -> int:
+    """A traced size's value at this trace, for a decision that holds at every size (not baked into the graph)."""
+    if isinstance(size, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return optimization_hint(size)
+    return level_shapes.static_size(size)
+
+
+def _shrinks(input, size) -> bool:
+    size = tuple(size) if isinstance(size, (list, tuple, torch.Size)) else (size, size)
+    pairs = [(_hint(o), _hint(i)) for o, i in zip(size, input.shape[-2:])]
+    return len(pairs) == 2 and all(o <= i for o, i in pairs) and any(o < i for o, i in pairs)
+
+
+@register_patch("resize-before-product", function="torch.nn.functional.interpolate",
+                why="Mask2Former's masked decoder (OneFormer's, MaskDINO's) makes every layer's mask logits at 1/4 "
+                    "of the input ([1,100,256]x[1,256,H/4,W/4]) only to shrink them bilinearly to the next layer's "
+                    "attention size; a bilinear resize is linear over those two dims, so the product of the shrunk "
+                    "mask features is the same function, and the nine unused full-size products leave the graph")
+def resize_before_product(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                          recompute_scale_factor=None, antialias=False):
+    product = _PRODUCTS.get(id(input))
+    if product is None or product[0]() is not input or mode != "bilinear" or align_corners or antialias \
+            or size is None or scale_factor is not None or input.dim() != 4 or not _shrinks(input, size):
+        return NotImplemented  # an upsampling stays: the product at the larger size would cost more
+    _, equation, operands = product
+    operands = list(operands)
+    i = ops.spatial_operand(equation, *operands)
+    operands[i] = F.interpolate(operands[i], size=size, mode="bilinear", align_corners=False)
+    return torch.einsum(equation, *operands)
