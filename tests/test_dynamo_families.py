@@ -1,0 +1,19 @@
+"""The torch.export route (export.exporter=dynamo) on the detrex family's stand-in: two-stage DINO (a LazyConfig,
+detrex's own MSDA module, its query selection), verified with its config's own cases, a batch among them, as the
+TorchScript route is. (TESTR: tests/test_dynamo_exporter.py; Mask2Former: tests/test_dynamo_mask2former.py; the
+adet lineage's DPText-DETR and DeepSolo share TESTR's code paths and are checked by hand, docs/exporting.md.)"""
+import onnx
+import pytest
+
+from exports import export
+
+
+@pytest.mark.parametrize("config", ["dino_tiny"])
+def test_the_family_exports_through_torch_export_verified(config, tmp_path):
+    manifest = export(config, tmp_path, "export.exporter=dynamo", "export.lint=false")
+    v = manifest.verification
+    assert manifest.exporter == "dynamo" and v["passed"] is True
+    cases = {c["case"] for c in v["cases"]}
+    assert any(c.startswith("batch ") for c in cases) and len(cases) >= 3
+    model = onnx.load(str(tmp_path / manifest.model_file))
+    assert manifest.opset == model.opset_import[0].version >= 18  # what torch.export writes, recorded as written
