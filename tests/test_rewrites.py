@@ -477,6 +477,50 @@ def test_rewrite_is_size_general_through_apply_patches(name, target, fn, make, d
             np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-4, atol=1e-4, err_msg=f"{h}x{w}")
 
 
+TORCH_EXPORT_REFUSED = {"keypoints-from-heatmaps"}  # per-ROI sizes from values: refused, see its own test
+TORCH_EXPORT_CASES = [c for c in SIZE_GENERAL_CASES
+                      if REGISTRY[c[0]].kind != "graph" and c[0] not in TORCH_EXPORT_REFUSED]
+
+
+def export_through_torch_export(fn, inputs, dynamic) -> bytes:
+    """torch.onnx.export(dynamo=True) at opset 18 (what that route writes), every listed dim dynamic (Dim.AUTO: the
+    relations between inputs' dims found by torch.export)."""
+    shapes = tuple({d: torch.export.Dim.AUTO for d in dims} or None for dims in dynamic)
+    f = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(Call(fn), tuple(inputs), dynamo=True, dynamic_shapes=(shapes,), opset_version=18,
+                                    optimize=False, verbose=False, input_names=[f"in{i}" for i in range(len(inputs))])
+    program.save(f)
+    return f.getvalue()
+
+
+@pytest.mark.parametrize("name, target, fn, make, dims", TORCH_EXPORT_CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(TORCH_EXPORT_CASES)])
+def test_rewrite_is_size_general_through_torch_export(name, target, fn, make, dims):
+    """The same cases through the torch.export-based exporter, the rewrite applied whatever its target (the route
+    PyTorch keeps must take every rewrite): equal to the eager op without patches (float64) at the other sizes."""
+    G.manual_seed(zlib.crc32(name.encode()))
+    needed = REGISTRY[name].needed(Target(18))  # with what else that target applies (resize-before-product: einsum's)
+    with (apply_patches(target=Target(18)) if needed else apply_patches(target=None, only=[name])) as report:
+        model = export_through_torch_export(fn, make(*EXPORT_HW), dims)
+    assert report[name].hits > 0, report
+    for h, w in [EXPORT_HW] + RUN_HW:
+        case = make(h, w)
+        expected = reference(fn, case)
+        for got, want in zip(run_all(model, case), expected if isinstance(expected, tuple) else (expected,)):
+            assert got.shape == want.shape, (h, w)
+            np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-4, atol=1e-4, err_msg=f"{h}x{w}")
+
+
+def test_keypoint_heatmaps_are_refused_by_torch_export_in_one_line():
+    """Per-ROI resizes to sizes read from the boxes: torch.export would unroll the traced ROI count (the graph then
+    reads out of bounds at another count); the rewrite says so and which route takes it."""
+    name, _, fn, make, dims = next(c for c in SIZE_GENERAL_CASES if c[0] == "keypoints-from-heatmaps")
+    with apply_patches(target=None, only=[name]), pytest.raises(Exception, match="export.exporter=torchscript"):
+        export_through_torch_export(fn, make(*EXPORT_HW), dims)
+
+
 # Patches of a model's modules need that model: tests/test_adet_family.py::test_family_module_patches_are_size_
 # general_through_apply_patches exports the stand-in's modules at one size and runs them at others (TorchScript-based
 # exporter); tests/test_export_pipeline.py::test_torch_export_based_exporter_is_size_and_batch_general does the same

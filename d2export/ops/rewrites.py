@@ -195,7 +195,8 @@ def index_accumulate(x: Tensor, indices: Sequence[Tensor], values: Tensor) -> Te
     lead = x.shape[:len(indices)]
     flat = torch.zeros((), dtype=torch.long, device=x.device)
     for idx, size in zip(indices, lead):
-        flat = flat * size + torch.remainder(idx.long(), size)  # row-major position; negatives wrap as in eager
+        idx = idx.long()  # negatives wrap as in eager (not by remainder: torch.export's size is no ONNX operand)
+        flat = flat * size + torch.where(idx < 0, idx + size, idx)  # row-major position
     rest = x.shape[len(indices):]
     values = values.to(x.dtype).expand(flat.shape + rest).reshape(-1, *rest)
     one_hot = (flat.reshape(-1, 1) == torch.arange(_prod(lead), device=x.device)).to(x.dtype)
@@ -258,8 +259,11 @@ def adaptive_max_pool2d(x: Tensor, output_size) -> Tensor:
 
 # ------------------------------------------------------------------------------------------------- interpolation
 def _as_float(size, dtype=torch.float32) -> Tensor:
-    """A size as a 0-d float tensor: traced sizes (0-d tensors) stay in the graph, Python ints become constants."""
-    return size.to(dtype) if isinstance(size, Tensor) else torch.full((), float(size), dtype=dtype)
+    """A size as a 0-d float tensor: traced sizes (0-d tensors, torch.export's SymInts) stay in the graph, Python ints
+    become constants."""
+    if isinstance(size, (Tensor, torch.SymInt)):
+        return size_tensor(size).to(dtype)
+    return torch.full((), float(size), dtype=dtype)
 
 
 def _linear_weights(in_size, out_size, align_corners: bool, scale: Optional[float], x: Tensor) -> Tensor:
@@ -281,7 +285,7 @@ def _scaled(size, scale: float):
     """floor(size * scale) as torch computes it (in double precision); a traced size stays traced."""
     if isinstance(size, Tensor):
         return torch.floor(size.to(torch.float64) * scale).to(torch.long)
-    return int(size * scale)
+    return torch.sym_int(size * scale)  # a SymInt stays symbolic (int() would fix the traced value)
 
 
 def interpolate_bilinear(x: Tensor, size=None, scale_factor=None, align_corners: bool = False,

@@ -2,12 +2,20 @@
 one image per run, and these keep what detectron2 does per image size-general."""
 from __future__ import annotations
 
+import torch
+
 from d2export.ops import keypoints, rewrites
 from d2export.patching.registry import register_patch
 
-register_patch("keypoints-from-heatmaps", function="detectron2.modeling.roi_heads.keypoint_head.heatmaps_to_keypoints",
-               why="detectron2's scripted ROI loop indexes a tensor of unknown rank: aten::index fails to export",
-               )(keypoints.heatmaps_to_keypoints)
+@register_patch("keypoints-from-heatmaps",
+                function="detectron2.modeling.roi_heads.keypoint_head.heatmaps_to_keypoints",
+                why="detectron2's scripted ROI loop indexes a tensor of unknown rank: aten::index fails to export")
+def heatmaps_to_keypoints(maps, rois):
+    if torch.compiler.is_exporting():  # torch.export runs the loop in Python: it would bake the traced ROI count
+        raise RuntimeError("Keypoint R-CNN's heatmaps resize per ROI to sizes read from the boxes' values, which "
+                           "torch.export cannot capture (it would unroll the traced ROI count into the graph): "
+                           "export it with export.exporter=torchscript")
+    return keypoints.heatmaps_to_keypoints(maps, rois)
 
 
 @register_patch("split-whole", function=("torch.Tensor.split", "torch.split"),
