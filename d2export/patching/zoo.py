@@ -7,6 +7,7 @@ import torch
 from d2export.ops import keypoints, rewrites
 from d2export.patching.registry import register_patch
 
+
 @register_patch("keypoints-from-heatmaps",
                 function="detectron2.modeling.roi_heads.keypoint_head.heatmaps_to_keypoints",
                 why="detectron2's scripted ROI loop indexes a tensor of unknown rank: aten::index fails to export")
