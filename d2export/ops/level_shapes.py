@@ -73,3 +73,13 @@ def static_size(x) -> int:
             warnings.simplefilter("ignore", torch.jit.TracerWarning)
             return int(x)
     return x
+
+
+def size_hint(x) -> int:
+    """A traced size's value at this trace (TorchScript's 0-d tensor, torch.export's SymInt: its example value, no
+    guard added), for a decision that holds at every size and so is not baked into the graph."""
+    if isinstance(x, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return optimization_hint(x)
+    return static_size(x)

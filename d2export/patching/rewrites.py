@@ -213,32 +213,26 @@ def einsum(equation, *operands):
     out = ops.einsum_as_matmul(equation, *operands)
     if out is None:
         return NotImplemented
-    if ops.spatial_operand(equation, *operands) is not None:
-        _remember_product(out, equation, operands)
+    spatial = ops.spatial_operand(equation, *operands)
+    if spatial is not None:
+        _remember_product(out, equation, operands, spatial)
     return out
 
 
-# Products a later bilinear resize may move behind (resize-before-product), by the result's id while it lives.
+# Products a later bilinear resize may move behind (resize-before-product), by the result's id while it lives:
+# (a weak reference to it, the equation, the operands, the index of the operand holding the spatial dims).
 _PRODUCTS: dict[int, tuple] = {}
 
 
-def _remember_product(out, equation: str, operands) -> None:
+def _remember_product(out, equation: str, operands, spatial: int) -> None:
     key = id(out)
-    _PRODUCTS[key] = (weakref.ref(out, lambda _: _PRODUCTS.pop(key, None)), equation, tuple(operands))
-
-
-def _hint(size) -> int:
-    """A traced size's value at this trace, for a decision that holds at every size (not baked into the graph)."""
-    if isinstance(size, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
-
-        return optimization_hint(size)
-    return level_shapes.static_size(size)
+    _PRODUCTS[key] = (weakref.ref(out, lambda _: _PRODUCTS.pop(key, None)), equation, tuple(operands), spatial)
 
 
 def _shrinks(input, size) -> bool:
     size = tuple(size) if isinstance(size, (list, tuple, torch.Size)) else (size, size)
-    pairs = [(_hint(o), _hint(i)) for o, i in zip(size, input.shape[-2:])]
+    hint = level_shapes.size_hint
+    pairs = [(hint(o), hint(i)) for o, i in zip(size, input.shape[-2:])]
     return len(pairs) == 2 and all(o <= i for o, i in pairs) and any(o < i for o, i in pairs)
 
 
@@ -253,8 +247,7 @@ def resize_before_product(input, size=None, scale_factor=None, mode="nearest", a
     if product is None or product[0]() is not input or mode != "bilinear" or align_corners or antialias \
             or size is None or scale_factor is not None or input.dim() != 4 or not _shrinks(input, size):
         return NotImplemented  # an upsampling stays: the product at the larger size would cost more
-    _, equation, operands = product
+    _, equation, operands, i = product
     operands = list(operands)
-    i = ops.spatial_operand(equation, *operands)
     operands[i] = F.interpolate(operands[i], size=size, mode="bilinear", align_corners=False)
     return torch.einsum(equation, *operands)
