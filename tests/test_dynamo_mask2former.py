@@ -74,7 +74,9 @@ def test_the_tiny_mask2former_exports_through_torch_export_verified(tmp_path):
     v = manifest.verification
     assert v["passed"] is True and any(c["case"].startswith("batch ") for c in v["cases"])
     assert manifest.exporter == "dynamo"
+    hits = {p["name"]: p["hits"] for p in manifest.patches}
     assert any(p["name"] == "level-sizes-for-torch-export" and p["status"] == "applied" for p in manifest.patches)
+    assert hits["masks-once-per-query"] and hits["masked-attention-per-query"]  # the masks once per query, there too
 
 
 def test_torch_export_traces_a_batch_only_where_the_graph_takes_one():

@@ -241,13 +241,21 @@ class _Pinner:
         result = self.compare[op](x, other)
         if not (isinstance(other, (int, float)) and getattr(x, "is_floating_point", lambda: False)()):
             return result
-        signature = (tuple(x.shape), op, np.float32(other))
         for j in range(self.next_threshold, len(self.thresholds)):
             g = self.thresholds[j]
-            if (g.shape, g.op, np.float32(g.threshold)) == signature:
+            if (g.op, np.float32(g.threshold)) != (op, np.float32(other)):
+                continue
+            if g.shape == tuple(x.shape):
                 self.next_threshold = j + 1
                 self.matched_thresholds += 1
                 return self._threshold(g, x, result)
+            copies = _copies(x, g.shape)
+            if copies:  # eager compares `copies` equal copies of what the graph compares once
+                self.next_threshold = j + 1
+                self.matched_thresholds += 1
+                split = (g.shape[0], copies, *g.shape[1:])
+                once = self._threshold(g, x.reshape(split)[:, 0], result.reshape(split)[:, 0])
+                return once[:, None].expand(split).reshape(result.shape)
         return result
 
     def _threshold(self, g: _GraphThreshold, x, result):
@@ -319,6 +327,18 @@ class _Pinner:
     def _refuse(self, g, values, indices, why: str):
         self.found.append(Pick(g.node, 0, float("inf"), 0.0, why))
         return values, indices
+
+
+def _copies(x, shape: tuple) -> int:
+    """How many equal copies of a graph threshold's [n, *rest] values eager's x holds, laid out [n * copies, *rest]
+    (Mask2Former's attention masks: eager compares the mask probabilities repeated per head, the graph once per
+    query, d2export/patching/masked_decoder.py); 0 where x is not that."""
+    if len(shape) != x.dim() or not shape or tuple(x.shape[1:]) != tuple(shape[1:]) or not shape[0] \
+            or x.shape[0] % shape[0] or x.shape[0] == shape[0]:
+        return 0
+    copies = x.shape[0] // shape[0]
+    split = x.reshape(shape[0], copies, *shape[1:])
+    return copies if bool((split == split[:, :1]).all()) else 0
 
 
 def _not_noise(difference: float) -> str:
