@@ -78,8 +78,8 @@ def _differs(ours, theirs) -> bool:
 
 @register_patch("masked-attention-per-query", module=torch.nn.MultiheadAttention,
                 why="MultiheadAttention turns a per-head bool mask into -inf/0 ([N*heads, Q, HW]) and adds it to "
-                    "the logits; given the masked decoder's per-query mask (masks-once-per-query), the logits "
-                    "of every head are masked from it")
+                    "the logits; given the masked decoder's per-query mask (masks-once-per-query), the bias is "
+                    "made once per query and added to every head's logits by broadcasting")
 def masked_attention(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                      average_attn_weights=True, is_causal=False):
     entry = _PER_QUERY.get(id(attn_mask)) if attn_mask is not None else None
@@ -98,7 +98,8 @@ def masked_attention(self, query, key, value, key_padding_mask=None, need_weight
 
     q, k, v = split(q), split(k), split(v)
     logits = torch.bmm(q * math.sqrt(1.0 / float(head)), k.transpose(-2, -1))
-    logits = logits.view(n, heads, length, -1).masked_fill(masked[:, None], float("-inf"))  # = -inf + logit
+    bias = torch.zeros(masked.shape, dtype=logits.dtype, device=logits.device).masked_fill(masked, float("-inf"))
+    logits = logits.view(n, heads, length, -1) + bias[:, None]  # upstream's sum; the bias made once per query
     weights = F.softmax(logits, dim=-1)
     out = torch.bmm(weights.flatten(0, 1), v).transpose(0, 1).reshape(length * n, embed)
     out = F.linear(out, self.out_proj.weight, self.out_proj.bias).view(length, n, embed)
