@@ -85,7 +85,12 @@ class RCNNAdapter(nn.Module):
         return {"images": image[None], "image_sizes": np.array([image.shape[1:]], dtype=np.int64)}
 
     def forward(self, images: Tensor, image_sizes: Tensor) -> tuple[Tensor, ...]:
-        image = images[0, :, : image_sizes[0, 0], : image_sizes[0, 1]].float()
+        if torch.compiler.is_exporting():  # torch.export: the image is taken whole, its size said by image_sizes
+            image = images[0].float()  # (a crop to sizes read from data would be data-dependent)
+            torch._check(image_sizes[0, 0].item() == image.shape[1])
+            torch._check(image_sizes[0, 1].item() == image.shape[2])
+        else:
+            image = images[0, :, : image_sizes[0, 0], : image_sizes[0, 1]].float()
         out = self._infer(self.model, image)
         return tuple(out[name][None] for name in self._outputs)
 
