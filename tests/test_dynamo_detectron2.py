@@ -1,10 +1,12 @@
-"""detectron2's own RetinaNet through torch.export (export.exporter=dynamo), one image per run as through TorchScript.
+"""detectron2's own detectors through torch.export (export.exporter=dynamo), one image per run as through TorchScript:
+RetinaNet, Mask R-CNN (Faster R-CNN's path and its mask head) and Panoptic FPN, R-18 backbones of the model zoo's
+configs. (The Cascade R-CNN fixture, `boxdet`, exports and verifies too, by hand: docs/exporting.md.)
 
-Its per-image code tests data-dependent counts in Python (ImageList's padding by sizes as tensors, `min(count, k)`
-of the level's candidates, Boxes' `numel() == 0`, Instances' `len()` checks, torchvision's NMS choice by `numel()`);
-the export-only patches in d2export/patching/zoo.py compute the same without the tests. The independent side is
-detectron2's own eager inference (verification); few candidates per level make the detection count differ between
-the verification's sizes, so a graph that baked the traced count would fail."""
+Their per-image code tests data-dependent counts in Python (ImageList's padding by sizes as tensors, `min(count, k)`,
+`if not valid.all()`, Boxes' `numel() == 0` and clip assert, Instances' `len()` checks, torchvision's NMS choice by
+`numel()`); the export-only patches in d2export/patching/zoo.py compute the same without the tests. The independent
+side is detectron2's own eager inference (verification); few candidates, or many detections allowed, make the
+detection count differ between the verification's sizes, so a graph that baked the traced count would fail."""
 from __future__ import annotations
 
 import torch
@@ -17,17 +19,40 @@ from exports import export
 RETINANET = ("model.d2_config=COCO-Detection/retinanet_R_50_FPN_1x.yaml",
              "model.opts=[MODEL.RESNETS.DEPTH,18,MODEL.RESNETS.RES2_OUT_CHANNELS,64,"
              "MODEL.RETINANET.TOPK_CANDIDATES_TEST,12]")
+R_18 = "MODEL.RESNETS.DEPTH,18,MODEL.RESNETS.RES2_OUT_CHANNELS,64"
+MASK_RCNN = ("model.d2_config=COCO-InstanceSegmentation/mask_rcnn_R_50_FPN_1x.yaml",
+             f"model.opts=[{R_18},MODEL.RPN.POST_NMS_TOPK_TEST,8,TEST.DETECTIONS_PER_IMAGE,1000]")
+PANOPTIC_FPN = ("model.d2_config=COCO-PanopticSegmentation/panoptic_fpn_R_50_1x.yaml", f"model.opts=[{R_18}]")
 EXPORT_ONLY = ["image-list-for-torch-export", "dense-inference-for-torch-export"]
+RCNN_ONLY = ["image-list-for-torch-export", "rpn-proposals-for-torch-export", "roi-pooler-for-torch-export",
+             "box-predictions-for-torch-export", "box-probabilities-for-torch-export", "box-inference-for-torch-export"]
+
+
+def _exported(config, tmp_path, *overrides):
+    manifest = export(config, tmp_path, *overrides, "export.exporter=dynamo", "export.lint=false")
+    assert manifest.exporter == "dynamo" and manifest.verification["passed"] is True
+    counts = {c["case"]: c["shape"][1] for c in manifest.verification["cases"] if c["output"] == "scores"}
+    return manifest, counts, {p["name"]: p["hits"] for p in manifest.patches}
 
 
 def test_retinanet_exports_through_torch_export_verified_at_counts_it_never_traced(tmp_path):
-    manifest = export("rcnn", tmp_path, *RETINANET, "export.exporter=dynamo", "export.lint=false")
-    v = manifest.verification
-    assert manifest.family == "retinanet" and manifest.exporter == "dynamo" and v["passed"] is True
-    counts = {c["case"]: c["shape"][1] for c in v["cases"] if c["output"] == "scores"}
+    manifest, counts, hits = _exported("rcnn", tmp_path, *RETINANET)
+    assert manifest.family == "retinanet"
     assert len(counts) >= 5 and len(set(counts.values())) >= 2, counts  # the detections' count follows the data
-    hits = {p["name"]: p["hits"] for p in manifest.patches}
     assert all(hits[name] for name in EXPORT_ONLY), hits
+
+
+def test_mask_rcnn_exports_through_torch_export_verified_at_counts_it_never_traced(tmp_path):
+    manifest, counts, hits = _exported("rcnn", tmp_path, *MASK_RCNN)
+    assert manifest.family == "rcnn" and "masks" in [o.name for o in manifest.outputs]
+    assert len(counts) >= 5 and len(set(counts.values())) >= 2, counts
+    assert all(hits[name] for name in RCNN_ONLY + ["mask-probabilities-for-torch-export"]), hits
+
+
+def test_panoptic_fpn_exports_through_torch_export_verified(tmp_path):
+    manifest, _, hits = _exported("rcnn", tmp_path, *PANOPTIC_FPN)
+    assert manifest.family == "panoptic_fpn" and "sem_seg" in [o.name for o in manifest.outputs]
+    assert all(hits[name] for name in RCNN_ONLY + ["mask-probabilities-for-torch-export"]), hits
 
 
 def test_the_export_only_patches_leave_eager_detectron2_as_it_is(tmp_path):
