@@ -539,8 +539,9 @@ MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-
 # ViTAEv2's window_reverse (tests/test_swin_backbone.py)
 TESTED_WITH_UPSTREAM_CODE = {"vit-window-padding", "vit-window-crop", "vit-relative-positions",
                              "vit-position-embedding", "dcnv3-core", "vitae-window-batch",
-                             # detectron2's RetinaNet and Panoptic FPN (Mask R-CNN's path) through torch.export at sizes and
-                             # detection counts it never traced, eager detectron2 untouched (test_dynamo_detectron2.py)
+                             # detectron2's RetinaNet and Panoptic FPN (Mask R-CNN's path) through torch.export
+                             # at sizes and detection counts never traced, eager detectron2 untouched
+                             # (tests/test_dynamo_detectron2.py)
                              "image-list-for-torch-export", "dense-inference-for-torch-export",
                              "rpn-proposals-for-torch-export", "roi-pooler-for-torch-export",
                              "box-predictions-for-torch-export", "box-probabilities-for-torch-export",
