@@ -85,7 +85,8 @@ def text_pictures(tmp_path_factory):
 # The files whose tests take longest (a full run's durations on 2 cores, 2026-11-29), collected first: pytest-xdist
 # hands each worker a file at a time in collection order, so the long ones start at once and the short ones fill in
 # at the end, instead of one long file running alone while the other workers wait.
-LONGEST_FIRST = ("test_dynamo_mask2former.py", "test_dynamo_detectron2.py", "test_pinning.py", "test_export_pipeline.py", "test_int8.py",
+LONGEST_FIRST = ("test_dynamo_mask2former.py", "test_dynamo_detectron2.py", "test_pinning.py",
+                 "test_export_pipeline.py", "test_int8.py",
                  "test_dynamo_exporter.py", "test_dynamo_families.py", "test_rewrites.py",
                  "test_testr_training.py", "test_box_fixture.py", "test_detectron2_exports.py",
                  "test_spotter_fixture.py", "test_evaluate.py", "test_spotter_recipe.py", "test_fused_msda.py",
