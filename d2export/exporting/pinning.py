@@ -245,17 +245,16 @@ class _Pinner:
             g = self.thresholds[j]
             if (g.op, np.float32(g.threshold)) != (op, np.float32(other)):
                 continue
-            if g.shape == tuple(x.shape):
-                self.next_threshold = j + 1
-                self.matched_thresholds += 1
+            copies = 1 if g.shape == tuple(x.shape) else _copies(x, g.shape)
+            if not copies:
+                continue
+            self.next_threshold = j + 1
+            self.matched_thresholds += 1
+            if copies == 1:
                 return self._threshold(g, x, result)
-            copies = _copies(x, g.shape)
-            if copies:  # eager compares `copies` equal copies of what the graph compares once
-                self.next_threshold = j + 1
-                self.matched_thresholds += 1
-                split = (g.shape[0], copies, *g.shape[1:])
-                once = self._threshold(g, x.reshape(split)[:, 0], result.reshape(split)[:, 0])
-                return once[:, None].expand(split).reshape(result.shape)
+            split = (g.shape[0], copies, *g.shape[1:])  # eager compares copies of what the graph compares once
+            once = self._threshold(g, x.reshape(split)[:, 0], result.reshape(split)[:, 0])
+            return once[:, None].expand(split).reshape(result.shape)
         return result
 
     def _threshold(self, g: _GraphThreshold, x, result):

@@ -79,8 +79,6 @@ def _is_dense_detector(module) -> bool:
 def dense_inference(self, anchors, box_cls, box_delta, image_size):
     if not _exporting():
         return NotImplemented
-    import torchvision
-
     boxes, scores, classes = [], [], []
     for anchors_i, scores_i, deltas_i in zip(anchors, box_cls, box_delta):
         values, flat = scores_i.flatten().topk(torch.sym_min(int(self.test_topk_candidates), scores_i.numel()))
