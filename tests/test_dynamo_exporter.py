@@ -22,10 +22,11 @@ def test_auto_falls_back_to_torch_export_and_fused_is_one_node_per_attention(tmp
         return real(*args)
 
     monkeypatch.setattr(onnx_export, "_run_exporter", no_torchscript)
-    manifest = export("textdet_tiny", tmp_path, "export.exporter=auto", "export.sampler=fused", "export.lint=false",
+    manifest = export("textdet_tiny", tmp_path, "export.exporter=auto", "export.sampler=fused",
                       "verify.sizes=[[160,224],[224,160]]")  # the same token count transposed: nothing baked
     assert manifest.exporter == "dynamo" and "the torchscript exporter failed, trying dynamo" in caplog.text
     assert manifest.verification["passed"] is True and manifest.custom_ops == [FUSED_MSDA_ID]
+    assert manifest.verification["lint"]["clean"] is True
     assert any(c["case"].startswith("batch ") for c in manifest.verification["cases"])
     model = onnx.load(str(tmp_path / "model.onnx"))
     assert manifest.opset == model.opset_import[0].version  # the graph's own opset, whatever was asked

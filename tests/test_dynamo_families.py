@@ -10,9 +10,13 @@ from exports import export
 
 @pytest.mark.parametrize("config", ["dino_tiny"])
 def test_the_family_exports_through_torch_export_verified(config, tmp_path):
-    manifest = export(config, tmp_path, "export.exporter=dynamo", "export.lint=false")
+    manifest = export(config, tmp_path, "export.exporter=dynamo")
     v = manifest.verification
     assert manifest.exporter == "dynamo" and v["passed"] is True
+    # the lint, read off the capture: no level of a picture under 65 px is traced (its stride-64 level would be one
+    # pixel), nor a batch of one (the dummy's is two; the single-picture cases verify it)
+    assert v["lint"]["clean"] is True and v["lint"]["min_sizes"] == {"width": 65, "height": 65}
+    assert v["lint"]["never_one"] == ["batch"]
     cases = {c["case"] for c in v["cases"]}
     assert any(c.startswith("batch ") for c in cases) and len(cases) >= 3
     model = onnx.load(str(tmp_path / manifest.model_file))

@@ -69,11 +69,12 @@ def test_level_sizes_as_python_sizes_let_torch_export_split_and_view_the_levels(
 
 
 def test_the_tiny_mask2former_exports_through_torch_export_verified(tmp_path):
-    manifest = export("mask2former_tiny", tmp_path, "export.exporter=dynamo", "export.lint=false",
+    manifest = export("mask2former_tiny", tmp_path, "export.exporter=dynamo",
                       "verify.sizes=[[128,160],[96,192]]")
     v = manifest.verification
     assert v["passed"] is True and any(c["case"].startswith("batch ") for c in v["cases"])
     assert manifest.exporter == "dynamo"
+    assert v["lint"]["clean"] is True
     hits = {p["name"]: p["hits"] for p in manifest.patches}
     assert any(p["name"] == "level-sizes-for-torch-export" and p["status"] == "applied" for p in manifest.patches)
     assert hits["masks-once-per-query"] and hits["masked-attention-per-query"]  # the masks once per query, there too

@@ -1,10 +1,13 @@
 """Lint an export for shapes baked in from the dummy input.
 
-Two signals, both cheap next to a silent wrong answer in production:
+Through TorchScript, two signals, both cheap next to a silent wrong answer in production:
 - the same model traced at a second dummy size must give the same graph; constants that differ between the two
   traces follow the input's size, and are named with the graph node (whose name carries the module scope);
 - TracerWarnings ("converting a tensor to a Python integer", "as_tensor results are registered as constants") point
   at the user's source lines where a value left the graph.
+Through torch.export, whose trace is symbolic, what its capture assumed of the dynamic sizes (a fixed axis, a
+narrowed range, a runtime assert torch.onnx drops: exporting/size_assumptions.py), read off the one capture: it
+sees branches a second size would take the same way, and costs no second export.
 """
 from __future__ import annotations
 
@@ -28,10 +31,13 @@ class LintReport:
     identical: bool = True
     size_dependent_constants: list[dict] = field(default_factory=list)
     tracer_warnings: list[dict] = field(default_factory=list)
+    size_assumptions: list[str] = field(default_factory=list)  # through torch.export: what it assumed of the sizes
+    min_sizes: dict[str, int] = field(default_factory=dict)  # through torch.export: the least sizes it holds at
+    never_one: list[str] = field(default_factory=list)  # through torch.export: axes traced as never 1
 
     @property
     def clean(self) -> bool:
-        return self.identical and not self.size_dependent_constants
+        return self.identical and not self.size_dependent_constants and not self.size_assumptions
 
     def to_dict(self) -> dict:
         return asdict(self) | {"clean": self.clean}
@@ -39,6 +45,13 @@ class LintReport:
     def format(self) -> str:
         lines = ["lint: the graph does not depend on the dummy's size" if self.clean else
                  "lint: the graph CHANGES with the dummy's size: these constants follow it"]
+        if self.size_assumptions:
+            lines[0] = "lint: torch.export's graph holds only for some sizes: it assumed"
+        lines += [f"  {a}" for a in self.size_assumptions[:20]]
+        if self.min_sizes:
+            lines.append("lint: the graph holds from " + ", ".join(f"{k} {v}" for k, v in self.min_sizes.items()))
+        if self.never_one:
+            lines.append(f"lint: traced as never 1 (the verification's cases at 1 decide): {', '.join(self.never_one)}")
         for c in self.size_dependent_constants[:20]:
             lines.append(f"  {c['node']}: {c['first']} vs {c['second']}")
         for w in self.tracer_warnings[:20]:
@@ -84,10 +97,16 @@ def summarise_warnings(caught: list[warnings.WarningMessage]) -> list[dict]:
 
 def lint_export(built, staged: Path, result: ExportResult, axes: dict | None) -> LintReport:
     """The lint of the graph at `staged`, exported from `built` (the pipeline's Built) as `result` with dynamic `axes`:
-    its tracer warnings, and for a dynamic export the constants that change when traced at a second size."""
+    its tracer warnings, and for a dynamic export the constants that change when traced at a second size (through
+    torch.export: what its capture assumed of the sizes)."""
     report = LintReport(tracer_warnings=summarise_warnings(result.tracer_warnings))
     if axes is None:
         return report  # a static export is size-specific by request
+    if result.size_assumptions is not None:
+        report.size_assumptions = result.size_assumptions.conditions
+        report.min_sizes = result.size_assumptions.minimum
+        report.never_one = result.size_assumptions.never_one
+        return report
     sizes = traced_sizes(built.cfg, built.adapter.batchable)
     h, w = sizes[0]
     second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in sizes[1:]]

@@ -20,6 +20,7 @@ import onnx
 import torch
 
 from d2export.config import EXPORTERS, D2ExportConfig
+from d2export.exporting.size_assumptions import Assumptions, size_assumptions
 from d2export.manifest import staged
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class ExportResult:
     seconds: float
     tracer_warnings: list[warnings.WarningMessage] = field(default_factory=list)
     node_count: int = 0
+    size_assumptions: Assumptions | None = None  # through torch.export: what its capture assumed of the sizes
 
 
 def export_onnx(
@@ -60,7 +62,7 @@ def export_onnx(
             caught: list[warnings.WarningMessage] = []
             warnings.showwarning = functools.partial(_record_at_user_line, caught)
             try:
-                _run_exporter(module, args, tmp, input_names, output_names, dynamic_axes, opset, exporter)
+                assumed = _run_exporter(module, args, tmp, input_names, output_names, dynamic_axes, opset, exporter)
             except Exception as e:  # the exporter's own errors are long and name no module: say what and where
                 raise ExportError(describe_export_failure(e, module, args)) from e
         model = onnx.load(str(tmp))
@@ -70,7 +72,7 @@ def export_onnx(
         if simplify:
             model = _slim(model)
             onnx.save(model, str(tmp))
-    return ExportResult(path, time.perf_counter() - start, caught, len(model.graph.node))
+    return ExportResult(path, time.perf_counter() - start, caught, len(model.graph.node), assumed)
 
 
 def traced_sizes(cfg: D2ExportConfig, batchable: bool = True) -> list[tuple[int, int]]:
@@ -120,6 +122,8 @@ _STDLIB = os.path.dirname(os.__file__)
 
 
 def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, opset, exporter):
+    """Writes the graph to `dst`; through torch.export, returns what the capture assumed of the dynamic axes' sizes
+    (size_assumptions), through TorchScript None (its lint traces again)."""
     module.eval()  # torch.onnx.export leaves a wrapper's own mode alone
     kwargs = dict(input_names=list(input_names), output_names=list(output_names), opset_version=opset)
     with torch.no_grad():
@@ -131,11 +135,41 @@ def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, op
             # torch.export translates to opset 18 and up; asked for less, it tries onnx's version converter, which
             # has no adapter for these graphs' Pad, and prints the converter's traceback: the graph stays at 18
             kwargs["opset_version"] = max(opset, 18)
+            captured = _capture(module, args, shapes)
+            assumed = size_assumptions(captured, input_names, dynamic_axes or {})
             with _quiet_loggers("onnxscript", "onnx_ir"):  # a line per rewrite and folded node at INFO
-                program = torch.onnx.export(module, args, dynamic_shapes=shapes, dynamo=True, optimize=False,
-                                            verbose=False, custom_translation_table=_translations(), **kwargs)
+                program = torch.onnx.export(captured, dynamo=True, optimize=False, verbose=False,
+                                            custom_translation_table=_translations(), **kwargs)
                 _fold(program.model)
             program.save(str(dst))
+            return assumed
+    return None
+
+
+def _capture(module, args, shapes) -> torch.export.ExportedProgram:
+    """torch.export's program of `module(*args)` as torch.onnx would capture it (non-strict, then strict; a size
+    guard the declared axes break retried with torch's suggested fix, as it does), captured here so that the program
+    is read before torch.onnx drops its runtime asserts: the lint reads what it assumed of the sizes from it."""
+    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
+
+    failures = []
+    for strict in (False, True):
+        # as torch.onnx: size-oblivious 0/1 sizes, runtime asserts instead of guards where torch can defer them
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+            attempt = functools.partial(torch.export.export, module, args, strict=strict,
+                                        prefer_deferred_runtime_asserts_over_guards=True)
+            try:
+                try:
+                    return attempt(dynamic_shapes=shapes)
+                except torch._dynamo.exc.UserError as e:
+                    try:
+                        refined = refine_dynamic_shapes_from_suggested_fixes(e.msg, shapes)
+                    except Exception:
+                        raise e from None
+                    return attempt(dynamic_shapes=refined)
+            except Exception as e:  # noqa: BLE001  (the next way, as torch.onnx tries it)
+                failures.append(e)
+    raise failures[0]
 
 
 def _translations() -> dict:
