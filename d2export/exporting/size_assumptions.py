@@ -19,6 +19,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import sympy
 import torch
 from torch.utils._sympy.numbers import int_oo
@@ -79,8 +80,7 @@ def _classify(conditions: list, found: Assumptions) -> None:
     every axis is at its minimum or more (a condition the minimums imply is dropped)."""
     for cond in sorted(conditions, key=lambda c: len(c.free_symbols)):
         symbols = sorted(cond.free_symbols, key=str)
-        failing = [values for values in itertools.product(*[_sizes(s.name, found) for s in symbols])
-                   if not _holds(cond, dict(zip(symbols, values)))]
+        failing = _failing(cond, symbols, [_sizes(s.name, found) for s in symbols])
         if not failing:
             continue  # holds at every size tried (from the minimums up): nothing more assumed
         if len(symbols) == 1 and {values[0] for values in failing} == {1}:
@@ -114,6 +114,27 @@ def _sizes(axis: str, found: Assumptions) -> Sequence[int]:
     if axis == "batch":
         return _BATCHES
     return [v for v in _SIZES if v >= found.minimum.get(axis, 1)]
+
+
+# torch's integer functions in size expressions, for numpy (the rest numpy's printer knows)
+_NUMPY = {"FloorDiv": np.floor_divide, "PythonMod": np.mod, "Mod": np.mod, "CleanDiv": np.floor_divide}
+
+
+def _failing(cond, symbols: list, sizes: list[Sequence[int]]) -> list[tuple[int, ...]]:
+    """The sampled points (a value per symbol) where the condition fails: evaluated over the whole grid at once
+    through numpy (a big condition has thousands of points), checked against sympy's own evaluation at some of them;
+    point by point through sympy where numpy cannot say it."""
+    points = list(itertools.product(*sizes))
+    try:
+        grids = np.meshgrid(*[np.asarray(v, dtype=np.int64) for v in sizes], indexing="ij")
+        holds = np.broadcast_to(sympy.lambdify(symbols, cond, modules=[_NUMPY, "numpy"])(*grids), grids[0].shape)
+        holds = holds.reshape(-1)
+        if all(bool(holds[i]) == _holds(cond, dict(zip(symbols, points[i])))
+               for i in range(0, len(points), max(1, len(points) // 16))):
+            return [p for p, ok in zip(points, holds) if not ok]
+    except Exception:  # noqa: BLE001  (an expression numpy's printer cannot write: sympy evaluates it)
+        pass
+    return [p for p in points if not _holds(cond, dict(zip(symbols, p)))]
 
 
 def _holds(cond, values: dict) -> bool:
