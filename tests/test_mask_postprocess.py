@@ -234,6 +234,28 @@ def test_prediction_is_upstreams_forward(seed, before):
         assert len(prediction.segments) > 1 and len(prediction.instances) > 1  # the case is not trivial
 
 
+@pytest.mark.parametrize("before", [True, False])
+@pytest.mark.parametrize("semantic", [False, True])
+def test_instances_alone_upsample_only_their_queries_masks(semantic, before, monkeypatch):
+    # COCO instance configs: no panoptic; the top 5 pairs pick a few of the 12 queries, and only theirs are upsampled
+    # (where no semantic pass reads the same field), the results upstream's
+    post = post_dict(before, semantic=semantic, panoptic=False, topk=5)
+    outputs = fake_outputs(5, 2, (32, 40))
+    made, upsampled = [], _masks.Upsampled
+    monkeypatch.setattr(_masks, "Upsampled",
+                        lambda masks, *a, **k: made.append(len(masks)) or upsampled(masks, *a, **k))
+    for i, ref in enumerate(reference(standin(), outputs, INPUTS, ORIGINALS, post)):
+        made.clear()
+        prediction = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+        picked = len(np.unique(_masks._instance_pairs(outputs["pred_logits"][i], K, 5, False, [], _masks.Rules())[0]))
+        assert len(prediction.instances) == 5 and picked < Q
+        assert min(made) == (Q if semantic and before else picked)  # the field of the picked queries alone
+        assert (prediction.semantic is not None) == semantic and prediction.panoptic is None
+        diff = differences(prediction, ref, INPUTS[i], ORIGINALS[i], before)
+        assert diff["instances_missing"] == 0 and diff["mask_pixels"] == 0, diff
+        assert diff["score"] == pytest.approx(0, abs=1e-6) and diff.get("semantic_pixels", 0) == 0, diff
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_stuff_of_one_class_merges(seed):
     # queries 0 and 1 are both sure of one stuff class: one segment holds what each of them would hold apart

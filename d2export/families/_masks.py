@@ -423,16 +423,17 @@ class _Competition:
 
 class _MaskScores:
     """Instance masks (logit > 0) of the picked queries and the sums of their mean probability over them, a band at a
-    time."""
+    time. `alone`: the field holds the picked queries only (in `queries`' order), not every query."""
 
-    def __init__(self, queries: np.ndarray, hw: tuple[int, int]):
+    def __init__(self, queries: np.ndarray, hw: tuple[int, int], alone: bool = False):
         self.queries = queries
+        self.rows = slice(None) if alone else queries  # the picked queries' rows in the field
         self.positive = np.zeros((len(queries), *hw), bool)
 
     def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray) -> np.ndarray:
         n = len(self.queries)
-        positive = self.positive[:, start:stop] = logits[self.queries] > 0
-        inside = probs[self.queries].reshape(n, -1)
+        positive = self.positive[:, start:stop] = logits[self.rows] > 0
+        inside = probs[self.rows].reshape(n, -1)
         inside *= positive.reshape(n, -1)
         return np.stack([inside.sum(1).astype(np.float64), np.count_nonzero(positive.reshape(n, -1), axis=1)])
 
@@ -594,8 +595,8 @@ def instance_inference(mask_cls: np.ndarray, mask_pred: np.ndarray, num_classes:
     picture's pixels before it is encoded; `threshold`: pairs scoring below it are left out (before their masks are
     encoded)."""
     pairs = _instance_pairs(mask_cls, num_classes, test_topk_per_image, panoptic_on, thing_ids, rules)
-    masks = _MaskScores(np.unique(pairs[0]), mask_pred.shape[-2:])
-    (sums,) = _per_pixel(Upsampled(mask_pred, None, None), masks) if len(masks.queries) else (None,)
+    masks = _MaskScores(np.unique(pairs[0]), mask_pred.shape[-2:], alone=True)
+    (sums,) = _per_pixel(Upsampled(mask_pred[masks.queries], None, None), masks) if len(masks.queries) else (None,)
     return _instances(pairs, masks, sums, class_names, to_original, threshold, rules)
 
 
@@ -637,11 +638,17 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
     names = list(post.get("class_names") or [])
     prediction = Prediction(oh, ow)
     (mh, mw), (ph, pw) = masks.shape[-2:], padded
+    pairs = _instance_pairs(mask_cls, num_classes, int(value("test_topk_per_image")), panoptic_on, thing_ids,
+                            rules) if instance_on else None
+    picked = np.unique(pairs[0]) if instance_on else None
+    # instances alone read their picked queries' masks only: the others are never upsampled
+    alone = instance_on and len(picked) > 0 and not panoptic_on and not (semantic_on and before)
+    field_masks = masks[picked] if alone else masks
     if before:  # the masks cropped and resized to the original picture, then every inference there
-        field = Upsampled(masks, _then(mh, ph, h, oh), _then(mw, pw, w, ow))
+        field = Upsampled(field_masks, _then(mh, ph, h, oh), _then(mw, pw, w, ow))
         semantic_field, back = field, None
     else:  # panoptic and instance read the padded masks, as upstream; semantic the picture's corner, resized after
-        field = Upsampled(masks, _taps(mh, ph), _taps(mw, pw)) if panoptic_on or instance_on else None
+        field = Upsampled(field_masks, _taps(mh, ph), _taps(mw, pw)) if panoptic_on or instance_on else None
         semantic_field = Upsampled(masks, _taps(mh, ph, h), _taps(mw, pw, w), after=(_taps(h, oh), _taps(w, ow)))
         back = functools.partial(_nearest, crop_hw=(h, w), out_hw=(oh, ow))
     passes, semantic, competition, instances = [], None, None, None
@@ -657,9 +664,7 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
         if len(keep):
             passes.append(competition)
     if instance_on:
-        pairs = _instance_pairs(mask_cls, num_classes, int(value("test_topk_per_image")), panoptic_on, thing_ids,
-                                rules)
-        instances = _MaskScores(np.unique(pairs[0]), field.shape[1:])
+        instances = _MaskScores(picked, field.shape[1:], alone)
         if len(instances.queries):
             passes.append(instances)
     sums = dict(zip(map(id, passes), _per_pixel(field, *passes))) if passes else {}  # one pass over the pixels
