@@ -43,11 +43,12 @@ class LintReport:
         return asdict(self) | {"clean": self.clean}
 
     def format(self) -> str:
-        lines = ["lint: the graph does not depend on the dummy's size" if self.clean else
-                 "lint: the graph CHANGES with the dummy's size: these constants follow it"]
         if self.size_assumptions:
-            lines[0] = "lint: torch.export's graph holds only for some sizes: it assumed"
-        lines += [f"  {a}" for a in self.size_assumptions[:20]]
+            lines = ["lint: torch.export's graph holds only for some sizes: it assumed"]
+            lines += [f"  {a}" for a in self.size_assumptions[:20]]
+        else:
+            lines = ["lint: the graph does not depend on the dummy's size" if self.clean else
+                     "lint: the graph CHANGES with the dummy's size: these constants follow it"]
         if self.min_sizes:
             lines.append("lint: the graph holds from " + ", ".join(f"{k} {v}" for k, v in self.min_sizes.items()))
         if self.never_one:

@@ -152,23 +152,25 @@ def _capture(module, args, shapes) -> torch.export.ExportedProgram:
     is read before torch.onnx drops its runtime asserts: the lint reads what it assumed of the sizes from it."""
     from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
 
-    failures = []
-    for strict in (False, True):
+    def attempt(strict: bool, shapes) -> torch.export.ExportedProgram:
         # as torch.onnx: size-oblivious 0/1 sizes, runtime asserts instead of guards where torch can defer them
         with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            attempt = functools.partial(torch.export.export, module, args, strict=strict,
-                                        prefer_deferred_runtime_asserts_over_guards=True)
+            return torch.export.export(module, args, dynamic_shapes=shapes, strict=strict,
+                                       prefer_deferred_runtime_asserts_over_guards=True)
+
+    failures = []
+    for strict in (False, True):
+        try:
             try:
+                return attempt(strict, shapes)
+            except torch._dynamo.exc.UserError as e:
                 try:
-                    return attempt(dynamic_shapes=shapes)
-                except torch._dynamo.exc.UserError as e:
-                    try:
-                        refined = refine_dynamic_shapes_from_suggested_fixes(e.msg, shapes)
-                    except Exception:
-                        raise e from None
-                    return attempt(dynamic_shapes=refined)
-            except Exception as e:  # noqa: BLE001  (the next way, as torch.onnx tries it)
-                failures.append(e)
+                    refined = refine_dynamic_shapes_from_suggested_fixes(e.msg, shapes)
+                except Exception:
+                    raise e from None  # no fix torch suggests: its own error says what broke
+                return attempt(strict, refined)
+        except Exception as e:  # noqa: BLE001  (the next way, as torch.onnx tries it)
+            failures.append(e)
     raise failures[0]
 
 

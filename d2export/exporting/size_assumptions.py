@@ -30,6 +30,7 @@ _ASSERTS = {torch.ops.aten._assert_scalar.default}
 _SIZES = sorted(set(range(1, 34)) | {v + d for v in (48, 64, 96, 128, 200, 256, 333, 512, 640, 800, 1024, 1333, 2048)
                                      for d in (-1, 0, 1)})
 _BATCHES = (1, 2, 3, 4)
+_BATCH = "batch"  # the batch axis's name in the adapters' dynamic axes: tried at _BATCHES, never a minimum
 
 
 @dataclass
@@ -86,7 +87,7 @@ def _classify(conditions: list, found: Assumptions) -> None:
         if len(symbols) == 1 and {values[0] for values in failing} == {1}:
             found.never_one.append(symbols[0].name)  # traced size-obliviously: the verification's cases at 1 decide
             continue
-        spatial = [s for s in symbols if s.name != "batch"]
+        spatial = [s for s in symbols if s.name != _BATCH]
         least = _least(cond, symbols, spatial, failing)
         if least is not None:  # fails only where every axis is below some size (a small picture): a minimum of each
             for symbol in spatial:
@@ -111,7 +112,7 @@ def _least(cond, symbols: list, spatial: list, failing: list) -> int | None:
 
 
 def _sizes(axis: str, found: Assumptions) -> Sequence[int]:
-    if axis == "batch":
+    if axis == _BATCH:
         return _BATCHES
     return [v for v in _SIZES if v >= found.minimum.get(axis, 1)]
 
