@@ -539,6 +539,9 @@ MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-
 # ViTAEv2's window_reverse (tests/test_swin_backbone.py)
 TESTED_WITH_UPSTREAM_CODE = {"vit-window-padding", "vit-window-crop", "vit-relative-positions",
                              "vit-position-embedding", "dcnv3-core", "vitae-window-batch",
+                             # MaskDINO's proposals, written from upstream's, through torch.export at other sizes
+                             # and batches (tests/test_maskdino_proposals.py)
+                             "encoder-proposals-free-function",
                              # detectron2's RetinaNet and Panoptic FPN (Mask R-CNN's path) through torch.export
                              # at sizes and detection counts never traced, eager detectron2 untouched
                              # (tests/test_dynamo_detectron2.py)

@@ -6,7 +6,7 @@ the same values as the original from traced tensor sizes instead. Modules are ma
 - a backbone wrapper with `mask_out_padding` and `feature_strides`;
 - an encoder with a static `get_reference_points(spatial_shapes, valid_ratios, device)`;
 - a transformer with `gen_encoder_output_proposals` and `enc_output_norm` (box proposals, as TESTR and DPText-DETR;
-  Bezier proposals where it has DeepSolo's `bezier_coord_embed`).
+  Bezier proposals where it has DeepSolo's `bezier_coord_embed`); MaskDINO's free function of that name.
 Every function is exact against the original on every size (tests/test_adet_family.py).
 """
 from __future__ import annotations
@@ -52,6 +52,14 @@ def get_reference_points(spatial_shapes, valid_ratios, device):
 
 
 def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shapes):
+    out, proposals = encoder_proposals(memory, memory_padding_mask, spatial_shapes,
+                                       bezier=getattr(self, "bezier_coord_embed", None) is not None)
+    return self.enc_output_norm(self.enc_output(out)), proposals
+
+
+def encoder_proposals(memory, memory_padding_mask, spatial_shapes, bezier: bool = False):
+    """The two-stage proposals (a box, or DeepSolo's Bezier shrunk to the centre, at each token) and the memory with
+    padded and invalid tokens zeroed, as Deformable-DETR's free function `gen_encoder_output_proposals` returns them."""
     n = memory.shape[0]
     proposals = []
     shapes = level_shapes(spatial_shapes)
@@ -64,7 +72,7 @@ def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shap
         grid = torch.cat([grid_x.unsqueeze(-1), grid_y.unsqueeze(-1)], -1)
         scale = torch.cat([valid_w.unsqueeze(-1), valid_h.unsqueeze(-1)], 1).view(n, 1, 1, 2)
         grid = (grid.unsqueeze(0).expand(n, -1, -1, -1) + 0.5) / scale
-        if getattr(self, "bezier_coord_embed", None) is not None:  # DeepSolo: a cubic Bezier shrunk to the centre
+        if bezier:  # DeepSolo: a cubic Bezier shrunk to the centre
             proposals.append(grid.repeat(1, 1, 1, 4).view(n, -1, 8))
         else:  # a box 0.05 · 2^level wide
             wh = torch.ones_like(grid) * 0.05 * (2.0 ** lvl)
@@ -74,8 +82,7 @@ def gen_encoder_output_proposals(self, memory, memory_padding_mask, spatial_shap
     proposals = torch.log(proposals / (1 - proposals))
     proposals = proposals.masked_fill(memory_padding_mask.unsqueeze(-1), float("inf"))
     proposals = proposals.masked_fill(~valid, float("inf"))
-    out = memory.masked_fill(memory_padding_mask.unsqueeze(-1), 0.0).masked_fill(~valid, 0.0)
-    return self.enc_output_norm(self.enc_output(out)), proposals
+    return memory.masked_fill(memory_padding_mask.unsqueeze(-1), 0.0).masked_fill(~valid, 0.0), proposals
 
 
 def has_mask_out_padding(module) -> bool:
