@@ -29,15 +29,16 @@ def resize_shortest_edge(image: np.ndarray, min_size: int, max_size: int) -> np.
     return np.asarray(Image.fromarray(image).resize((nw, nh), Image.BILINEAR))
 
 
-def pad_batch(images: Sequence[np.ndarray], fixed: tuple[int, int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pad_batch(images: Sequence[np.ndarray], fixed: tuple[int, int, int] | None = None,
+              minimum: Sequence[int] = (0, 0)) -> tuple[np.ndarray, np.ndarray]:
     """CHW images of any sizes → (images [N, C, Hmax, Wmax] zero-padded bottom/right, image_sizes [N, 2] int64).
     `fixed` (N, H, W): a fixed-size graph's batch and size, padded to it; rows beyond the images are blank, with the
-    first image's size (their outputs are not read)."""
+    first image's size (their outputs are not read). `minimum` (H, W): the least size the graph takes, padded up to."""
     if not images:
         raise ValueError("empty batch")
     n = len(images)
-    hmax = max(im.shape[1] for im in images)
-    wmax = max(im.shape[2] for im in images)
+    hmax = max([minimum[0]] + [im.shape[1] for im in images])
+    wmax = max([minimum[1]] + [im.shape[2] for im in images])
     if fixed:
         if n > fixed[0] or hmax > fixed[1] or wmax > fixed[2]:
             raise ValueError(f"{n} picture(s) of up to {hmax}x{wmax} do not fit this graph's fixed batch of "

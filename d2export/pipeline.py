@@ -172,6 +172,8 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
                 subject = verifying.Subject(built, staged_model, cases)
                 verification = (verifying.verify_float32(subject) if cases
                                 else {"passed": None}) | {"device": built.device}  # where the references ran
+                if lint is not None and lint.min_sizes and cases:
+                    lint.below_minimum = verifying.check_below_minimums(subject, lint.min_sizes)
                 if e.fp16:
                     verification["fp16"] = verifying.convert_to_float16(subject)
                 if e.int8:
@@ -224,7 +226,7 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
         outputs=_documented(graph_specs(graph.output), built.family.output_docs),
         opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
         precision="int8" if e.int8 else "float16" if e.fp16 else "float32",
-        preprocess=built.family.preprocess(built.d2cfg),
+        preprocess=built.family.preprocess(built.d2cfg) | _min_input_size(lint),
         postprocess=built.family.postprocess(built.d2cfg) | ({"in_graph": True} if e.postprocess == "graph" else {}),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
@@ -232,6 +234,13 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
     )
     embed_manifest(model, manifest)  # the essentials also inside the model, before its hash is taken
     return dataclasses.replace(manifest, sha256=sha256_file(model))
+
+
+def _min_input_size(lint) -> dict:
+    """The least [height, width] the graph is served at, where torch.export narrowed it and the graph answered
+    differently below (the runtime pads smaller pictures up to it, as detectron2 pads a batch)."""
+    least = lint.serve_from if lint is not None else {}
+    return {"min_input_size": [least.get("height", 0), least.get("width", 0)]} if least else {}
 
 
 def _documented(specs: list, docs: dict[str, str]) -> list:

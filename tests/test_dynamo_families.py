@@ -17,6 +17,11 @@ def test_the_family_exports_through_torch_export_verified(config, tmp_path):
     # pixel), nor a batch of one (the dummy's is two; the single-picture cases verify it)
     assert v["lint"]["clean"] is True and v["lint"]["min_sizes"] == {"width": 65, "height": 65}
     assert v["lint"]["never_one"] == ["batch"]
+    # ... which the graph does not need: below them it agrees with the model wherever the model itself runs (its
+    # query selection takes more tokens than a 32x32 picture has), so the runtime takes any size
+    assert v["lint"]["below_minimum"] == {"tried": ["64x64"], "held": True, "failed": None,
+                                          "eager_fails": "32x32: RuntimeError: selected index k out of range"}
+    assert v["lint"]["serve_from"] == {} and "min_input_size" not in manifest.preprocess
     cases = {c["case"] for c in v["cases"]}
     assert any(c.startswith("batch ") for c in cases) and len(cases) >= 3
     model = onnx.load(str(tmp_path / manifest.model_file))

@@ -377,3 +377,23 @@ def test_runtime_imports_and_predicts_without_torch(tiny_export):
         "print('ok')\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_pictures_below_the_graphs_least_size_are_padded_up_to_it(tiny_export):
+    """Where torch.export narrowed a graph to a least size and it answered differently below (the export's lint),
+    the manifest says so and the runtime pads smaller pictures up to it, their own sizes kept for the results."""
+    import dataclasses
+
+    from d2export.runtime.predictor import Processing
+
+    _, manifest, _ = tiny_export
+    narrowed = dataclasses.replace(manifest, preprocess=manifest.preprocess | {"min_input_size": [97, 65]})
+    plain, padded = Processing(manifest, min_size=40, max_size=300), Processing(narrowed, min_size=40, max_size=300)
+    wide, tall = (np.full((40, 300, 3), 90, np.uint8), np.full((200, 40, 3), 90, np.uint8))
+    for processing, shape in ((plain, (1, 3, 40, 300)), (padded, (1, 3, 97, 300))):
+        feeds = processing.feeds([processing.prepare(wide)])
+        assert feeds["images"].shape == shape and feeds["image_sizes"].tolist() == [[40, 300]]
+    feeds = padded.feeds([padded.prepare(wide), padded.prepare(tall)])
+    assert feeds["images"].shape == (2, 3, 200, 300) and feeds["image_sizes"].tolist() == [[40, 300], [200, 40]]
+    small = padded.feeds([padded.prepare(np.full((40, 40, 3), 90, np.uint8))])
+    assert small["images"].shape == (1, 3, 97, 65) and not small["images"][0, :, 40:].any()  # zeros below

@@ -98,3 +98,49 @@ def test_conditions_are_sorted_into_minimums_dropped_and_warned():
                sympy.Ne(height, width)], found)  # fails at large sizes too: warned
     assert found.minimum == {"width": 100, "height": 100} and found.never_one == ["batch"]
     assert found.conditions == ["Eq(Mod(height, 7), 0)", "height <= 1000", "Ne(height, width)"]
+
+
+class SameEitherSide(torch.nn.Module):  # a branch on a size whose two sides compute the same
+    def forward(self, x):
+        return x.sum(1) if x.shape[-1] > 100 else x.flip(1).sum(1)
+
+
+def _subject(module, path):
+    """What check_below_minimums reads of the pipeline's Built: the config's tolerances and dummy size, a family
+    with no special outputs, and an adapter that feeds pictures to `module` (the eager side)."""
+    from types import SimpleNamespace
+
+    from d2export.config import load
+    from d2export.exporting.verifying import Subject
+
+    cfg = load("textdet_tiny", [f"export.output_dir={path.parent}", "export.dummy_sizes=[[128,160]]"])
+    adapter = SimpleNamespace(
+        output_names=["out"],
+        graph_inputs=lambda images: {"images": np.stack(images).astype(np.float32)},
+        reference=lambda images: [module(torch.from_numpy(np.stack(images).astype(np.float32))).numpy()])
+    built = SimpleNamespace(cfg=cfg, adapter=adapter, family=SimpleNamespace(output_kinds={}, sorted_by=None))
+    return Subject(built, path, [])
+
+
+@pytest.mark.parametrize("module, held, failed", [(SameEitherSide(), True, None), (Branch(), False, "128x100")])
+def test_below_a_minimum_the_graph_is_tried_against_the_model(module, held, failed, tmp_path):
+    from d2export.exporting.verifying import check_below_minimums, sizes_below
+
+    result = _export(module, tmp_path)
+    assert result.size_assumptions.minimum == {"width": 101}
+    assert sizes_below({"width": 101}, (128, 160)) == [(128, 100), (128, 50), (128, 25), (128, 12)]
+    below = check_below_minimums(_subject(module, result.path), result.size_assumptions.minimum)
+    assert below["held"] is held and below["failed"] == failed
+    assert below["tried"] == ["128x100", "128x50", "128x25", "128x12"]
+    report = lint_export(None, result.path, result, AXES)
+    report.below_minimum = below
+    assert report.serve_from == ({} if held else {"width": 101})  # what the runtime pads smaller pictures up to
+    assert ("served at any size" if held else "pads smaller pictures") in report.format()
+
+
+def test_sizes_below_walk_each_axis_with_a_minimum_down_by_halves():
+    from d2export.exporting.verifying import sizes_below
+
+    assert sizes_below({"width": 65, "height": 65}, (160, 224)) == [(64, 64), (32, 32), (16, 16), (8, 8)]
+    assert sizes_below({"height": 33, "width": 129}, (160, 224)) == [(32, 128), (16, 64), (8, 32), (8, 16), (8, 8)]
+    assert sizes_below({}, (160, 224)) == [] and sizes_below({"width": 9}, (160, 224)) == [(160, 8)]

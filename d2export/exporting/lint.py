@@ -34,13 +34,19 @@ class LintReport:
     size_assumptions: list[str] = field(default_factory=list)  # through torch.export: what it assumed of the sizes
     min_sizes: dict[str, int] = field(default_factory=dict)  # through torch.export: the least sizes it holds at
     never_one: list[str] = field(default_factory=list)  # through torch.export: axes traced as never 1
+    below_minimum: dict = field(default_factory=dict)  # tried below min_sizes (verifying.check_below_minimums)
+
+    @property
+    def serve_from(self) -> dict[str, int]:
+        """The sizes the runtime pads smaller pictures up to: the minimums, unless the graph held below them."""
+        return {} if self.below_minimum.get("held") else dict(self.min_sizes)
 
     @property
     def clean(self) -> bool:
         return self.identical and not self.size_dependent_constants and not self.size_assumptions
 
     def to_dict(self) -> dict:
-        return asdict(self) | {"clean": self.clean}
+        return asdict(self) | {"clean": self.clean, "serve_from": self.serve_from}
 
     def format(self) -> str:
         if self.size_assumptions:
@@ -50,7 +56,16 @@ class LintReport:
             lines = ["lint: the graph does not depend on the dummy's size" if self.clean else
                      "lint: the graph CHANGES with the dummy's size: these constants follow it"]
         if self.min_sizes:
-            lines.append("lint: the graph holds from " + ", ".join(f"{k} {v}" for k, v in self.min_sizes.items()))
+            lines.append("lint: torch.export assumed " + ", ".join(f"{k} >= {v}" for k, v in self.min_sizes.items()))
+        below = self.below_minimum
+        if below.get("held"):
+            lines.append(f"lint: the graph agrees with the model below that too ({', '.join(below['tried'])}"
+                         f"{'; the model itself fails at ' + below['eager_fails'] if below['eager_fails'] else ''}): "
+                         "served at any size")
+        elif self.min_sizes and below:
+            lines.append(f"lint: the graph answers differently below it (at {below['failed'] or 'no size tried'}"
+                         f"{'; eager fails at ' + below['eager_fails'] if below.get('eager_fails') else ''}): "
+                         "the runtime pads smaller pictures up to it")
         if self.never_one:
             lines.append(f"lint: traced as never 1 (the verification's cases at 1 decide): {', '.join(self.never_one)}")
         for c in self.size_dependent_constants[:20]:

@@ -115,24 +115,12 @@ def verify_float32(subject: Subject) -> dict:
     built, tol = subject.built, float32_tolerances(subject.built.cfg)
     progress.step(5, "verifying with onnxruntime", f"{len(subject.cases)} cases")
     session = sessions.session(subject.path, built.cfg.verify.providers)
-    kinds, sorted_by = built.family.output_kinds, built.family.sorted_by
-    per_output = tol.per_output(subject.output_names, kinds)
-    results = verify.run_cases(session, subject.output_names, subject.cases, tol.atol, tol.rtol, tol.max_mismatch,
-                               sorted_by, per_output)
-
-    def judge(case, expected, actual):
-        compared = verify.compare_case(case, expected, actual, tol.atol, tol.rtol, tol.max_mismatch, sorted_by,
-                                       per_output)
-        return compared, all(c.ok for c in compared)
-
-    pinned = _pin_selections(subject, {r.case for r in results if not r.ok}, judge,
-                             pinning.Tolerances(tol.atol, tol.rtol, tol.pixel_atol))
-    results = pinning.with_pinned(results, pinned)
+    results, pinned = _float32_results(subject, session)
     log.info("verification:\n%s", verify.format_table(results))
     summary = verify.summarise(results) | {
         "atol": tol.atol, "rtol": tol.rtol, "pixel_atol": tol.pixel_atol,
         "tolerances": {kind: {"atol": a, "rtol": r} for kind, (a, r) in tol.by_kind().items()},
-        "output_kinds": {n: verify.output_kind(n, kinds) for n in subject.output_names}
+        "output_kinds": {n: verify.output_kind(n, built.family.output_kinds) for n in subject.output_names}
     } | sessions.ran_on(session, subject.path)
     if pinned:
         summary["pinned"] = [p.to_dict() for p in pinned]
@@ -145,6 +133,72 @@ def verify_float32(subject: Subject) -> dict:
         raise verify.VerificationError(f"{e}{_culprit_line(summary['ladder'])}{pinning.unpinned_lines(summary)}"
                                        f"{ties}") from None
     return summary
+
+
+def _float32_results(subject: Subject, session) -> tuple[list, list]:
+    """Every case's comparisons within the float32 tolerances, failed cases rerun with the graph's near-tied
+    selections pinned; and those pinnings."""
+    built, tol = subject.built, float32_tolerances(subject.built.cfg)
+    kinds, sorted_by = built.family.output_kinds, built.family.sorted_by
+    per_output = tol.per_output(subject.output_names, kinds)
+    results = verify.run_cases(session, subject.output_names, subject.cases, tol.atol, tol.rtol, tol.max_mismatch,
+                               sorted_by, per_output)
+
+    def judge(case, expected, actual):
+        compared = verify.compare_case(case, expected, actual, tol.atol, tol.rtol, tol.max_mismatch, sorted_by,
+                                       per_output)
+        return compared, all(c.ok for c in compared)
+
+    pinned = _pin_selections(subject, {r.case for r in results if not r.ok}, judge,
+                             pinning.Tolerances(tol.atol, tol.rtol, tol.pixel_atol))
+    return pinning.with_pinned(results, pinned), pinned
+
+
+# ---------------------------------------------------------------------------------------- below torch.export's minimum
+def sizes_below(min_sizes: dict[str, int], dummy: Sequence[int], smallest: int = 8) -> list[tuple[int, int]]:
+    """(height, width) sizes under the lint's minimums, largest first: an axis with a minimum at one below it, then
+    halved down to `smallest`; an axis without one at the dummy's size."""
+    def axis(name: str) -> list[int]:
+        sizes, v = [], min_sizes.get(name, 0) - 1
+        while v >= smallest:
+            sizes.append(v)
+            v //= 2
+        return sizes
+
+    heights, widths = axis("height"), axis("width")
+    n = max(len(heights), len(widths))
+    pad = lambda values, default: values + [values[-1] if values else default] * (n - len(values))  # noqa: E731
+    return list(zip(pad(heights, int(dummy[0])), pad(widths, int(dummy[1]))))
+
+
+def check_below_minimums(subject: Subject, min_sizes: dict[str, int]) -> dict:
+    """torch.export's minimums are what its capture assumed, not always what the graph needs: size-oblivious tracing
+    asserts that no feature level is a single pixel, which an ONNX graph's broadcasting does not care about, while a
+    branch on a size really is the dummy's. The graph against eager at sizes below them (`sizes_below`, one synthetic
+    picture each, the float32 tolerances): `held` where it agrees at every one (the runtime then takes any size),
+    else the first size where it does not (`failed`: the runtime pads smaller pictures up to the minimums). A size
+    where the eager model itself fails ends the walk (`eager_fails`)."""
+    built = subject.built
+    cases, eager_fails = [], None
+    for i, (h, w) in enumerate(sizes_below(min_sizes, built.cfg.export.dummy_sizes[0])):
+        images = dummy_images([(h, w)], seed=2000 + 10 * i)
+        try:
+            expected = built.adapter.reference(images)
+        except Exception as e:  # noqa: BLE001 — the model's own limit, not the graph's
+            eager_fails = f"{h}x{w}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            break
+        cases.append(verify.Case(f"{h}x{w}", graph_inputs(built.adapter, images), expected, images))
+    failed = None
+    if cases:
+        below = Subject(built, subject.path, cases)
+        results, _ = _float32_results(below, sessions.session(subject.path, built.cfg.verify.providers))
+        failed = next((c.name for c in cases if not all(r.ok for r in results if r.case == c.name)), None)
+        verdict = ("the graph agrees: served at any size" if failed is None else
+                   f"the graph differs at {failed}: the runtime pads smaller pictures up to the minimums")
+        log.log(logging.INFO if failed is None else logging.WARNING, "below torch.export's minimums %s, %s:\n%s",
+                min_sizes, verdict, verify.format_table(results))
+    return {"tried": [c.name for c in cases], "held": bool(cases) and failed is None, "failed": failed,
+            "eager_fails": eager_fails}
 
 
 def _culprit_line(ladder_summary: dict) -> str:
