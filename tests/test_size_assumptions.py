@@ -47,9 +47,14 @@ def _export(module, tmp_path, size=(128, 160)):
                        dynamic_axes=AXES, exporter="dynamo")
 
 
-def test_a_graph_for_every_size_assumes_nothing(tmp_path):
-    assumed = _export(Clean(), tmp_path).size_assumptions
+def test_a_graph_for_every_size_assumes_nothing(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="d2export"):
+        assumed = _export(Clean(), tmp_path).size_assumptions
     assert assumed.conditions == [] and assumed.minimum == {}
+    # the route's phases are said as they end (minutes each on a full-size model)
+    said = [r.getMessage().split(" in ")[0] for r in caplog.records if r.name.startswith("d2export")]
+    assert said == ["torch.export captured the program", "torch.onnx decomposed and translated it",
+                    "onnxscript folded its constants"]
 
 
 def test_a_branch_on_a_size_is_a_minimum_the_graph_answers_wrongly_below(tmp_path):

@@ -135,15 +135,26 @@ def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, op
             # torch.export translates to opset 18 and up; asked for less, it tries onnx's version converter, which
             # has no adapter for these graphs' Pad, and prints the converter's traceback: the graph stays at 18
             kwargs["opset_version"] = max(opset, 18)
-            captured = _capture(module, args, shapes)
-            assumed = size_assumptions(captured, input_names, dynamic_axes or {})
+            # the route's phases said as they end: each takes minutes on a full-size model
+            with _phase("torch.export captured the program"):
+                captured = _capture(module, args, shapes)
+                assumed = size_assumptions(captured, input_names, dynamic_axes or {})
             with _quiet_loggers("onnxscript", "onnx_ir"):  # a line per rewrite and folded node at INFO
-                program = torch.onnx.export(captured, dynamo=True, optimize=False, verbose=False,
-                                            custom_translation_table=_translations(), **kwargs)
-                _fold(program.model)
+                with _phase("torch.onnx decomposed and translated it"):
+                    program = torch.onnx.export(captured, dynamo=True, optimize=False, verbose=False,
+                                                custom_translation_table=_translations(), **kwargs)
+                with _phase("onnxscript folded its constants"):
+                    _fold(program.model)
             program.save(str(dst))
             return assumed
     return None
+
+
+@contextlib.contextmanager
+def _phase(what: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    log.info("%s in %.1f s", what, time.perf_counter() - start)
 
 
 def _capture(module, args, shapes) -> torch.export.ExportedProgram:
