@@ -270,3 +270,19 @@ def test_diagnose_command_on_a_plain_rcnn(capsys):
     assert "no module diverges" in out
     for path in ("model.backbone.bottom_up.res4", "model.proposal_generator", "model.roi_heads.box_predictor"):
         assert path in out, path
+
+
+def test_a_ladder_that_cannot_run_leaves_the_verifications_verdict(monkeypatch, caplog):
+    """The ladder is a diagnosis run when verification fails: where it cannot run itself (through torch.export a
+    patch may turn a module's tensors into Python sizes), it says why, and the refusal keeps its own figures."""
+    from d2export.exporting import verifying
+
+    def broken(built):
+        raise RuntimeError("the traced run did not call what the eager probe did")
+
+    monkeypatch.setattr(verifying, "ladder", broken)
+    with caplog.at_level("WARNING", logger="d2export"):
+        summary = verifying._ladder_summary(None)
+    assert summary["culprit"] is None and "did not call" in summary["error"]
+    assert verifying._culprit_line(summary) == ""
+    assert any("parity ladder: could not run" in r.getMessage() for r in caplog.records)

@@ -339,8 +339,13 @@ def ladder(built, sizes: Sequence[Sequence[int]] | None = None):
 
 
 def _ladder_summary(built) -> dict:
-    """The parity ladder run and logged: its report, as the manifest keeps it."""
-    with progress.busy("parity ladder"):
-        report = ladder(built)
+    """The parity ladder run and logged: its report, as the manifest keeps it. A diagnosis: where it cannot run, it
+    says why and the verification's own verdict stands (its error must not stand in for a refusal's figures)."""
+    try:
+        with progress.busy("parity ladder"):
+            report = ladder(built)
+    except Exception as e:  # noqa: BLE001
+        log.warning("parity ladder: could not run (%s: %s)", type(e).__name__, e)
+        return {"diverged": None, "culprit": None, "cases": [], "error": f"{type(e).__name__}: {e}"}
     log.log(logging.WARNING if report.culprit() else logging.INFO, "parity ladder:\n%s", report.format())
     return report.to_dict()
