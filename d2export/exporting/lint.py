@@ -38,8 +38,10 @@ class LintReport:
 
     @property
     def serve_from(self) -> dict[str, int]:
-        """The sizes the runtime pads smaller pictures up to: the minimums, unless the graph held below them."""
-        return {} if self.below_minimum.get("held") else dict(self.min_sizes)
+        """The sizes the runtime pads smaller pictures up to: the minimums where the graph was found answering
+        differently below them; none where it held, or where nothing below could be tried (a minimum the sampled
+        classification misread, or one the model itself cannot go under: padding would change every answer)."""
+        return dict(self.min_sizes) if self.below_minimum.get("failed") else {}
 
     @property
     def clean(self) -> bool:
@@ -62,10 +64,12 @@ class LintReport:
             lines.append(f"lint: the graph agrees with the model below that too ({', '.join(below['tried'])}"
                          f"{'; the model itself fails at ' + below['eager_fails'] if below['eager_fails'] else ''}): "
                          "served at any size")
-        elif self.min_sizes and below:
-            lines.append(f"lint: the graph answers differently below it (at {below['failed'] or 'no size tried'}"
-                         f"{'; eager fails at ' + below['eager_fails'] if below.get('eager_fails') else ''}): "
-                         "the runtime pads smaller pictures up to it")
+        elif below.get("failed"):
+            lines.append(f"lint: the graph answers differently below it (at {below['failed']}): the runtime pads "
+                         "smaller pictures up to it")
+        elif below:
+            lines.append(f"lint: not tried below it (the model itself fails at {below['eager_fails']}): served as "
+                         "exported")
         if self.never_one:
             lines.append(f"lint: traced as never 1 (the verification's cases at 1 decide): {', '.join(self.never_one)}")
         for c in self.size_dependent_constants[:20]:
