@@ -46,13 +46,12 @@ register_patch("encoder-proposals-per-level", module=module_where(adet_family.ha
                )(adet_family.gen_encoder_output_proposals)
 
 
-@register_patch("encoder-proposals-free-function",
-                function=tuple(f"maskdino.{m}.gen_encoder_output_proposals"
-                               for m in ("utils.utils", "modeling.transformer_decoder.maskdino_decoder")),
-                why="MaskDINO's two-stage proposals read each level's size out of spatial_shapes (data under "
-                    "torch.export: slicing by it fails) and linspace over it")
-def encoder_proposals_free_function(memory, memory_padding_mask, spatial_shapes):
-    return adet_family.encoder_proposals(memory, memory_padding_mask, spatial_shapes)
+register_patch("encoder-proposals-free-function",
+               function=tuple(f"maskdino.{m}.gen_encoder_output_proposals"
+                              for m in ("utils.utils", "modeling.transformer_decoder.maskdino_decoder")),
+               why="MaskDINO's two-stage proposals read each level's size out of spatial_shapes (data under "
+                   "torch.export: slicing by it fails) and linspace over it",
+               )(adet_family.encoder_proposals)
 
 
 def is_encoder_only(module) -> bool:
