@@ -100,9 +100,10 @@ def test_conditions_are_sorted_into_minimums_dropped_and_warned():
                sympy.Eq(sympy.Mod(height, 7), 0),  # fails at large sizes too: warned
                sympy.Le(height, 1000),  # an upper bound: warned
                sympy.Ge(width * height, 100 * 100),  # fails only where both are small: a minimum of each
-               sympy.Ne(height, width)], found)  # fails at large sizes too: warned
+               sympy.Ne(height, width),  # fails at large sizes too: warned
+               sympy.Ne(width, 2047)], found)  # fails above sizes it holds at: no minimum of 2048, warned
     assert found.minimum == {"width": 100, "height": 100} and found.never_one == ["batch"]
-    assert found.conditions == ["Eq(Mod(height, 7), 0)", "height <= 1000", "Ne(height, width)"]
+    assert found.conditions == ["Eq(Mod(height, 7), 0)", "height <= 1000", "Ne(width, 2047)", "Ne(height, width)"]
 
 
 class SameEitherSide(torch.nn.Module):  # a branch on a size whose two sides compute the same

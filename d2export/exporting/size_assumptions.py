@@ -98,17 +98,24 @@ def _classify(conditions: list, found: Assumptions) -> None:
 
 def _least(cond, symbols: list, spatial: list, failing: list) -> int | None:
     """The least size m such that the condition holds wherever every spatial axis is m or more (between the sizes
-    tried: checked at every m on the way, all axes at m, every batch); None where there is none up to the largest
-    size tried."""
+    tried: checked at every m on the way, all axes at m, every batch) and fails, for some batch, with every axis at
+    any size tried below m (what a minimum is: a condition that holds at some size below m and fails above it, as
+    `Ne(height, 2047)` does, is no minimum); None where there is none up to the largest size tried."""
     if not spatial:
         return None
     at = [symbols.index(s) for s in spatial]
     least = max(min(values[i] for i in at) for values in failing) + 1
     batch = [s for s in symbols if s not in spatial]
-    while least <= _SIZES[-1] and not all(_holds(cond, {s: least for s in spatial} | dict(zip(batch, b)))
-                                          for b in itertools.product(_BATCHES, repeat=len(batch))):
+    batches = list(itertools.product(_BATCHES, repeat=len(batch)))
+
+    def holds(size: int) -> list[bool]:
+        return [_holds(cond, {s: size for s in spatial} | dict(zip(batch, b))) for b in batches]
+
+    while least <= _SIZES[-1] and not all(holds(least)):
         least += 1
-    return least if least <= _SIZES[-1] else None
+    if least > _SIZES[-1] or any(all(holds(size)) for size in _SIZES if size < least):
+        return None
+    return least
 
 
 def _sizes(axis: str, found: Assumptions) -> Sequence[int]:
