@@ -286,3 +286,39 @@ def test_a_ladder_that_cannot_run_leaves_the_verifications_verdict(monkeypatch, 
     assert summary["culprit"] is None and "did not call" in summary["error"]
     assert verifying._culprit_line(summary) == ""
     assert any("parity ladder: could not run" in r.getMessage() for r in caplog.records)
+
+
+class LevelSizes(nn.Module):
+    """As `level-sizes-for-torch-export` does: eagerly a tensor of sizes, under torch.export the sizes as Python
+    values (symbolic ints), which no graph output can hold."""
+
+    def forward(self, x):
+        if torch.compiler.is_exporting():
+            return [tuple(x.shape[-2:])]
+        return torch.tensor([list(x.shape[-2:])])
+
+
+class ToyWithSizes(Toy):
+    def __init__(self):
+        super().__init__()
+        self.sizes = LevelSizes()
+
+    def forward(self, images, image_sizes):
+        self.sizes(images)
+        return super().forward(images, image_sizes)
+
+
+def test_through_torch_export_a_rung_that_becomes_python_sizes_is_passed_over_and_a_fault_still_named():
+    toy = ToyWithSizes().eval()
+    settings = SimpleNamespace(exporter="dynamo", opset=18, dynamic=True)
+
+    def second_call_off(original):
+        calls = iter(range(100))
+        return lambda x: original(x) + (0.05 if next(calls) % 3 == 1 else 0.0)
+
+    report = run_ladder(toy, settings, lambda: override_forward(toy.head, second_call_off),
+                        dummy_images([(40, 56)]), {"56x40": dummy_images([(56, 40)], 5)})
+    for case in report.cases:
+        sizes = [r for r in case.rows if r.module == "sizes"]
+        assert [(r.ok, r.note) for r in sizes] == [(True, "Python values in the traced program")]
+        assert (case.first.module, case.first.call) == ("head", 1)

@@ -132,6 +132,7 @@ class _WithRungs(nn.Module):
     def __init__(self, adapter: nn.Module, paths: Sequence[str], keys: Sequence[Key]):
         super().__init__()
         self.adapter, self.paths, self.keys = adapter, list(paths), list(keys)
+        self.untraced: set[Key] = set()  # rungs torch.export's trace saw as Python values, not tensors
         # torch.export binds inputs (and dynamic shapes) by the forward's parameter names: take the adapter's
         def forward(*inputs):
             return self._forward(*inputs)
@@ -143,10 +144,13 @@ class _WithRungs(nn.Module):
         with Recorder(self.adapter, self.paths) as rec:
             outputs = self.adapter(*inputs)
         missing = [k for k in self.keys if k not in rec.records]
-        if missing:
+        if missing and not torch.compiler.is_exporting():
             raise RuntimeError(f"the traced run did not call what the eager probe did: {missing[:3]}")
+        # under torch.export a patch may hand on Python sizes where eager has a tensor (level-sizes-for-torch-export):
+        # an empty stand-in keeps every output in its named place, and the rung is reported as having no tensor
+        self.untraced.update(missing)
         outputs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-        return outputs + tuple(rec.records[k] for k in self.keys)
+        return outputs + tuple(rec.records[k] if k in rec.records else torch.zeros(0) for k in self.keys)
 
 
 # ------------------------------------------------------------------------------------------------------ the report
@@ -349,8 +353,8 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
     report = LadderReport([], probe.sources, {}, list(dict.fromkeys(warns)), result.node_count, atol, rtol)
     export_name = "export input " + "+".join(f"{im.shape[-2]}x{im.shape[-1]}" for im in export_images)
     for name, images in [(export_name, export_images), *dict(cases).items()]:
-        report.cases.append(_run_case(name, adapter, paths, (session, selections), names, keys, images, report,
-                                      atol, rtol, max_mismatch, dict(output_tolerances or {})))
+        report.cases.append(_run_case(name, adapter, paths, (session, selections, wrapper.untraced), names, keys,
+                                      images, report, atol, rtol, max_mismatch, dict(output_tolerances or {})))
     return report
 
 
@@ -359,7 +363,7 @@ def _run_case(name, adapter, paths, graph_session, names, keys, images, report, 
     """The graph first, then eager with the graph's near-tied TopK picks imposed (exporting/pinning.py): past a
     selection that differs only by float noise, rows compare like for like, so a real fault downstream is still
     named at its module and a tie alone is reported as one."""
-    session, selections = graph_session
+    session, selections, untraced = graph_session
     case = CaseReport(name, [tuple(im.shape[-2:]) for im in images])
     feeds = graph_inputs(adapter, images)
     used = {i.name for i in session.get_inputs()}  # the exporter drops inputs the graph never reads
@@ -377,7 +381,7 @@ def _run_case(name, adapter, paths, graph_session, names, keys, images, report, 
         report.model_sources.setdefault(path, src)
     if values is None:
         return case
-    graph = {key: values[n] for key, n in zip(keys, names)}
+    graph = {key: values[n] for key, n in zip(keys, names) if key not in untraced}
     outputs = {f"[{i}]": n for i, n in enumerate(adapter.output_names)}
     for (path, call, where), t in eager.records.items():
         expected = t.cpu().numpy()
@@ -386,7 +390,8 @@ def _run_case(name, adapter, paths, graph_session, names, keys, images, report, 
         tolerance = output_tolerances.get(output, (atol, rtol))
         actual = graph.get((path, call, where))
         if actual is None:
-            case.rows.append(Row(path, call, part, list(expected.shape), 0.0, 0.0, None, True, "not in the graph"))
+            note = "Python values in the traced program" if (path, call, where) in untraced else "not in the graph"
+            case.rows.append(Row(path, call, part, list(expected.shape), 0.0, 0.0, None, True, note))
             continue
         max_abs, max_rel, first, ok = compare(expected, actual, *tolerance, max_mismatch)
         note = "" if expected.shape == actual.shape else f"onnx shape {list(actual.shape)}"
