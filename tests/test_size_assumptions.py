@@ -7,6 +7,7 @@ import onnxruntime as ort
 import pytest
 import sympy
 import torch
+from torch.utils._sympy.functions import FloorDiv
 
 from d2export.exporting import lint as lint_module
 from d2export.exporting.lint import lint_export
@@ -104,6 +105,14 @@ def test_conditions_are_sorted_into_minimums_dropped_and_warned():
                sympy.Ne(width, 2047)], found)  # fails above sizes it holds at: no minimum of 2048, warned
     assert found.minimum == {"width": 100, "height": 100} and found.never_one == ["batch"]
     assert found.conditions == ["Eq(Mod(height, 7), 0)", "height <= 1000", "Ne(width, 2047)", "Ne(height, width)"]
+
+
+def test_a_condition_that_divides_by_zero_at_small_sizes_fails_there():
+    """A level's size divides (ViTAEv2's cells): below 64 the level has no pixels, the condition no value."""
+    height = sympy.Symbol("height", integer=True, positive=True)
+    found = Assumptions()
+    _classify([sympy.Gt(FloorDiv(4096, FloorDiv(height, 64)), 1)], found)
+    assert found.minimum == {"height": 64} and found.conditions == []
 
 
 class SameEitherSide(torch.nn.Module):  # a branch on a size whose two sides compute the same

@@ -135,7 +135,8 @@ def _failing(cond, symbols: list, sizes: list[Sequence[int]]) -> list[tuple[int,
     points = list(itertools.product(*sizes))
     try:
         grids = np.meshgrid(*[np.asarray(v, dtype=np.int64) for v in sizes], indexing="ij")
-        holds = np.broadcast_to(sympy.lambdify(symbols, cond, modules=[_NUMPY, "numpy"])(*grids), grids[0].shape)
+        with np.errstate(divide="ignore", invalid="ignore"):  # numpy's 0 for x // 0: the spot checks below see it
+            holds = np.broadcast_to(sympy.lambdify(symbols, cond, modules=[_NUMPY, "numpy"])(*grids), grids[0].shape)
         holds = holds.reshape(-1)
         if all(bool(holds[i]) == _holds(cond, dict(zip(symbols, points[i])))
                for i in range(0, len(points), max(1, len(points) // 16))):
@@ -146,4 +147,8 @@ def _failing(cond, symbols: list, sizes: list[Sequence[int]]) -> list[tuple[int,
 
 
 def _holds(cond, values: dict) -> bool:
-    return bool(cond.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+    """Whether the condition holds at these sizes; not where it divides by zero (a feature level of no pixels)."""
+    try:
+        return bool(cond.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+    except ZeroDivisionError:
+        return False
