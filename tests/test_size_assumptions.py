@@ -102,7 +102,8 @@ def test_conditions_are_sorted_into_minimums_dropped_and_warned():
                sympy.Le(height, 1000),  # an upper bound: warned
                sympy.Ge(width * height, 100 * 100),  # fails only where both are small: a minimum of each
                sympy.Ne(height, width),  # fails at large sizes too: warned
-               sympy.Ne(width, 2047)], found)  # fails above sizes it holds at: no minimum of 2048, warned
+               sympy.Ne(width, 2047)],  # holds where traced, fails above: no minimum of 2048, warned
+              found, traced={"width": 256, "height": 256, "batch": 2})
     assert found.minimum == {"width": 100, "height": 100} and found.never_one == ["batch"]
     assert found.conditions == ["Eq(Mod(height, 7), 0)", "height <= 1000", "Ne(width, 2047)", "Ne(height, width)"]
 

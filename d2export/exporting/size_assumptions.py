@@ -45,7 +45,7 @@ def size_assumptions(program: torch.export.ExportedProgram, input_names: Sequenc
     """What the program assumes of its inputs' dynamic axes (input_names in the order of the program's user inputs)."""
     inputs = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     user = [inputs[name] for name in program.graph_signature.user_inputs]
-    found, names = Assumptions(), {}  # names: symbol -> the axis name it stands for
+    found, names, traced = Assumptions(), {}, {}  # names: symbol -> the axis name it stands for; traced: its size
     for name, node in zip(input_names, user):
         shape = node.meta["val"].shape
         for axis, dim in sorted(dynamic_axes.get(name, {}).items()):
@@ -58,6 +58,8 @@ def size_assumptions(program: torch.export.ExportedProgram, input_names: Sequenc
                 found.conditions.append(f"{name} axis {axis} ({dim}) is {expr}")
             elif names.setdefault(expr, dim) != dim:
                 found.conditions.append(f"{dim} equals {names[expr]}")
+            elif size.node.hint is not None:
+                traced[dim] = int(size.node.hint)
     rename = {symbol: sympy.Symbol(dim, integer=True, positive=True) for symbol, dim in names.items()}
     conditions = []
     for symbol in names:
@@ -72,13 +74,14 @@ def size_assumptions(program: torch.export.ExportedProgram, input_names: Sequenc
             expr = getattr(getattr(cond, "node", None), "expr", None)
             if expr is not None and expr.free_symbols and expr.free_symbols <= rename.keys():
                 conditions.append(expr.xreplace(rename))
-    _classify(list(dict.fromkeys(conditions)), found)
+    _classify(list(dict.fromkeys(conditions)), found, traced)
     return found
 
 
-def _classify(conditions: list, found: Assumptions) -> None:
+def _classify(conditions: list, found: Assumptions, traced: dict[str, int] | None = None) -> None:
     """Sort the conditions into found: one axis's first (its minimum), then those of several axes, tried only where
-    every axis is at its minimum or more (a condition the minimums imply is dropped)."""
+    every axis is at its minimum or more (a condition the minimums imply is dropped). traced: axis name -> the size
+    the capture saw (no minimum is set above it)."""
     for cond in sorted(conditions, key=lambda c: len(c.free_symbols)):
         symbols = sorted(cond.free_symbols, key=str)
         failing = _failing(cond, symbols, [_sizes(s.name, found) for s in symbols])
@@ -88,7 +91,7 @@ def _classify(conditions: list, found: Assumptions) -> None:
             found.never_one.append(symbols[0].name)  # traced size-obliviously: the verification's cases at 1 decide
             continue
         spatial = [s for s in symbols if s.name != _BATCH]
-        least = _least(cond, symbols, spatial, failing)
+        least = _least(cond, symbols, spatial, failing, traced or {})
         if least is not None:  # fails only where every axis is below some size (a small picture): a minimum of each
             for symbol in spatial:
                 found.minimum[symbol.name] = max(found.minimum.get(symbol.name, 1), least)
@@ -96,24 +99,20 @@ def _classify(conditions: list, found: Assumptions) -> None:
         found.conditions.append(str(cond))
 
 
-def _least(cond, symbols: list, spatial: list, failing: list) -> int | None:
+def _least(cond, symbols: list, spatial: list, failing: list, traced: dict[str, int]) -> int | None:
     """The least size m such that the condition holds wherever every spatial axis is m or more (between the sizes
-    tried: checked at every m on the way, all axes at m, every batch) and fails, for some batch, with every axis at
-    any size tried below m (what a minimum is: a condition that holds at some size below m and fails above it, as
-    `Ne(height, 2047)` does, is no minimum); None where there is none up to the largest size tried."""
+    tried: checked at every m on the way, all axes at m, every batch); None where there is none up to the largest
+    size tried, or where m exceeds an axis's traced size: the capture took the condition's branch at that size, so
+    a condition failing above it (`Ne(width, 2047)`) is no minimum but an assumption."""
     if not spatial:
         return None
     at = [symbols.index(s) for s in spatial]
     least = max(min(values[i] for i in at) for values in failing) + 1
     batch = [s for s in symbols if s not in spatial]
-    batches = list(itertools.product(_BATCHES, repeat=len(batch)))
-
-    def holds(size: int) -> list[bool]:
-        return [_holds(cond, {s: size for s in spatial} | dict(zip(batch, b))) for b in batches]
-
-    while least <= _SIZES[-1] and not all(holds(least)):
+    while least <= _SIZES[-1] and not all(_holds(cond, {s: least for s in spatial} | dict(zip(batch, b)))
+                                          for b in itertools.product(_BATCHES, repeat=len(batch))):
         least += 1
-    if least > _SIZES[-1] or any(all(holds(size)) for size in _SIZES if size < least):
+    if least > _SIZES[-1] or any(least > traced.get(s.name, least) for s in spatial):
         return None
     return least
 
