@@ -21,8 +21,12 @@ RETINANET = ("model.d2_config=COCO-Detection/retinanet_R_50_FPN_1x.yaml",
              "model.opts=[MODEL.RESNETS.DEPTH,18,MODEL.RESNETS.RES2_OUT_CHANNELS,64,"
              "MODEL.RETINANET.TOPK_CANDIDATES_TEST,12]")
 R_18 = "MODEL.RESNETS.DEPTH,18,MODEL.RESNETS.RES2_OUT_CHANNELS,64"
+# narrow FPN and heads: the mask head's convolutions on every detection were most of the eager and onnxruntime time
+# (the operators, and so torch.export's time, are the same at any width)
+NARROW = ("MODEL.FPN.OUT_CHANNELS,32,MODEL.ROI_BOX_HEAD.FC_DIM,64,MODEL.ROI_MASK_HEAD.CONV_DIM,16,"
+          "MODEL.SEM_SEG_HEAD.CONVS_DIM,32")
 PANOPTIC_FPN = ("model.d2_config=COCO-PanopticSegmentation/panoptic_fpn_R_50_1x.yaml",
-                f"model.opts=[{R_18},MODEL.RPN.POST_NMS_TOPK_TEST,3,TEST.DETECTIONS_PER_IMAGE,1000]")
+                f"model.opts=[{R_18},{NARROW},MODEL.RPN.POST_NMS_TOPK_TEST,3,TEST.DETECTIONS_PER_IMAGE,1000]")
 EXPORT_ONLY = ["image-list-for-torch-export", "dense-inference-for-torch-export"]
 RCNN_ONLY = ["image-list-for-torch-export", "rpn-proposals-for-torch-export", "roi-pooler-for-torch-export",
              "box-predictions-for-torch-export", "box-probabilities-for-torch-export", "box-inference-for-torch-export"]

@@ -147,9 +147,10 @@ def test_bad_config_name_is_one_line(tmp_path):
 
 
 def test_full_size_default_config_exports_and_verifies(tmp_path):
-    """The full-size config (`make export CONFIG=textdet`: TotalText polygon R50, 100 queries), verified at the dummy
-    size, another aspect and their batch; lint and the default's five sizes left to the tiny tests."""
-    manifest = export("textdet", tmp_path, "export.lint=false", "verify.sizes=[[320,320],[256,400]]")
+    """The full-size config (`make export CONFIG=textdet`: TotalText polygon R50, 100 queries), verified at a size and
+    aspect it was not traced at; lint, the default's five sizes and batches left to the tiny tests (the same code at
+    thinner widths): the full model's eager runs were a third of this test's time."""
+    manifest = export("textdet", tmp_path, "export.lint=false", "verify.sizes=[[256,400]]", "verify.batch=false")
     assert manifest.verification["passed"] is True
     assert manifest.outputs[2].shape == ["batch", 100, 16, 2]
     assert {p["name"]: p["sites"] for p in manifest.patches}["msda-core"] == 18  # 6 encoder + 2 x 6 decoder
