@@ -82,15 +82,15 @@ def text_pictures(tmp_path_factory):
                     workers=1)
 
 
-# The files whose tests take longest (a full run's durations on 2 cores, 2026-11-29), collected first: pytest-xdist
+# The files whose tests take longest (a full run's durations on 2 cores, 2026-12-03), collected first: pytest-xdist
 # hands each worker a file at a time in collection order, so the long ones start at once and the short ones fill in
 # at the end, instead of one long file running alone while the other workers wait.
-LONGEST_FIRST = ("test_dynamo_mask2former.py", "test_dynamo_detectron2.py", "test_pinning.py",
-                 "test_export_pipeline.py", "test_int8.py",
-                 "test_dynamo_exporter.py", "test_dynamo_families.py", "test_rewrites.py",
-                 "test_testr_training.py", "test_box_fixture.py", "test_detectron2_exports.py",
-                 "test_spotter_fixture.py", "test_evaluate.py", "test_spotter_recipe.py", "test_fused_msda.py",
-                 "test_ladder.py", "test_mask2former.py", "test_runtime_install.py", "test_detr_boxes.py")
+LONGEST_FIRST = ("test_pinning.py", "test_export_pipeline.py", "test_dynamo_detectron2.py", "test_swin_backbone.py",
+                 "test_mask2former.py", "test_dynamo_mask2former.py", "test_dynamo_exporter.py", "test_rewrites.py",
+                 "test_int8.py", "test_testr_training.py", "test_detectron2_exports.py", "test_box_fixture.py",
+                 "test_spotter_fixture.py", "test_ladder.py", "test_spotter_recipe.py", "test_evaluate.py",
+                 "test_fused_msda.py", "test_dynamo_families.py", "test_runtime_install.py", "test_detr_boxes.py",
+                 "test_export_faults.py", "test_zoo_families.py", "test_spotters.py")
 
 
 def pytest_collection_modifyitems(config, items):
