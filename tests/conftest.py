@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+from pathlib import Path
 
 # third_party/ holds model code standing in for users' projects (testr, dptext, deepsolo, and `detrex` + `projects`
 # in detrex_standin/, importable as from a detrex checkout); d2export never imports it
@@ -46,30 +48,55 @@ if _WORKERS > 1:
     _ort.SessionOptions = _SharedCoresOptions
 
 
-@pytest.fixture(scope="session")
-def tiny_export(tmp_path_factory):
-    """The tiny TESTR-architecture spotter exported once per session with the default pipeline (verified).
-    Returns (config, manifest, model path); `d2export.pipeline.prepare(config)` rebuilds the same seeded model."""
+def _made_once(tmp_path_factory, name: str, make) -> Path:
+    """`make(folder)` run once for the whole run, not once per pytest-xdist worker: the first worker to ask makes it
+    under a lock in the run's shared temporary folder, the others wait and take what it wrote (the session fixtures'
+    exports and pictures were a minute of the suite's time, made again in each worker). Returns the folder."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # a worker's basetemp is <the run's>/gw<N>
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed making it left
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
+def _exported_once(tmp_path_factory, name: str, config: str, *overrides: str):
+    """The config exported (verified) once for the run; (config, manifest as written, model path)."""
     from d2export import pipeline
     from d2export.config import load
+    from d2export.manifest import Manifest
 
-    out = tmp_path_factory.mktemp("tiny_export")
-    cfg = load("textdet_tiny", [f"export.output_dir={out}"])
-    manifest = pipeline.export(cfg)
+    def make(out):
+        pipeline.export(load(config, [f"export.output_dir={out}", *overrides]))
+
+    out = _made_once(tmp_path_factory, name, make)
+    cfg = load(config, [f"export.output_dir={out}", *overrides])
+    [written] = out.glob("*.manifest.json")
+    manifest = Manifest.read(written)
     return cfg, manifest, out / manifest.model_file
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """The tiny TESTR-architecture spotter exported once per run with the default pipeline (verified).
+    Returns (config, manifest, model path); `d2export.pipeline.prepare(config)` rebuilds the same seeded model."""
+    return _exported_once(tmp_path_factory, "tiny_export", "textdet_tiny")
 
 
 @pytest.fixture(scope="session")
 def fixed_fused_export(tmp_path_factory):
     """The tiny spotter exported (verified) as a GPU serves it: fixed size (160x224, batch 1), fused MSDA operator.
     Returns (manifest, model path)."""
-    from d2export import pipeline
-    from d2export.config import load
-
-    out = tmp_path_factory.mktemp("fixed_fused")
-    manifest = pipeline.export(load("textdet_tiny", [f"export.output_dir={out}", "export.sampler=fused",
-                                                     "export.dynamic=false"]))
-    return manifest, out / manifest.model_file
+    _, manifest, path = _exported_once(tmp_path_factory, "fixed_fused", "textdet_tiny", "export.sampler=fused",
+                                       "export.dynamic=false")
+    return manifest, path
 
 
 @pytest.fixture(scope="session")
@@ -78,8 +105,10 @@ def text_pictures(tmp_path_factory):
     validation 2, demo 3, suite 7): int8 calibration and verification on the reader's domain (verify.pictures)."""
     from d2export.datasets import generate
 
-    return generate("text", tmp_path_factory.mktemp("text_pictures") / "text", count=16, seed=13, size=(320, 320),
-                    workers=1)
+    def make(out):
+        generate("text", out / "text", count=16, seed=13, size=(320, 320), workers=1)
+
+    return _made_once(tmp_path_factory, "text_pictures", make) / "text"
 
 
 # The files whose tests take longest (a full run's durations on 2 cores, 2026-12-03), collected first: pytest-xdist
