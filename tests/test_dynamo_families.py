@@ -10,7 +10,9 @@ from exports import export
 
 @pytest.mark.parametrize("config", ["dino_tiny"])
 def test_the_family_exports_through_torch_export_verified(config, tmp_path):
-    manifest = export(config, tmp_path, "export.exporter=dynamo")
+    # the fused sampler (one custom node per attention; the gather sampler goes through torch.export in the
+    # Mask2Former test): DINO's own code is the same either way, 78 -> 64 s here
+    manifest = export(config, tmp_path, "export.exporter=dynamo", "export.sampler=fused")
     v = manifest.verification
     assert manifest.exporter == "dynamo" and v["passed"] is True
     # the lint, read off the capture: no level of a picture under 65 px is traced (its stride-64 level would be one
