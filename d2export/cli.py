@@ -36,9 +36,10 @@ EXPORT_COMMANDS = ("export", "diagnose", "evaluate", "synth")
 
 def run_export(cfg: Any) -> dict:
     """One Hydra job: returns a summary row for sweeps. The config is checked whole before anything is built."""
-    from d2export.config import resolve
+    from d2export.config import check_files, resolve
 
     typed = resolve(cfg)
+    check_files(typed, Path.cwd())  # a mistyped path said in a second, before torch and the model code are imported
     from d2export import pipeline
 
     manifest = pipeline.export(typed)

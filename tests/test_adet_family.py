@@ -118,7 +118,7 @@ def test_family_module_patches_are_size_general_through_apply_patches():
     """Exported through apply_patches(model=...) at one batch of sizes, run in onnxruntime at transposed, non-square
     and odd ones: equal to the stand-in's own code without patches (float64). With the TorchScript-based exporter,
     the padding masks and spatial_shapes bake sizes without their patches; reference points and proposals are needed
-    under torch.export (tests/test_export_pipeline.py::test_torch_export_based_exporter_is_size_and_batch_general)."""
+    under torch.export (tests/test_dynamo_exporter.py: the tiny spotter through it at two sizes and a batch)."""
     import copy
     import io
 

@@ -141,6 +141,20 @@ def test_bad_input_gives_one_line_error_and_no_output(tmp_path, case):
     assert not list(out.glob("*.onnx")) and not list(out.glob(".*.onnx")), "a model file was left behind"
 
 
+@pytest.mark.parametrize("case", ["typo in a key", "missing config file", "missing weights"])
+def test_a_config_mistake_is_said_before_torch_is_imported(tmp_path, case):
+    """What the config alone shows wrong is said at once: not after the seconds torch, detectron2 and the model code
+    take to import."""
+    overrides, needle = BAD_INPUTS[case]
+    code = ("import sys\nfrom d2export.cli import export_main\ntry:\n    sys.exit(export_main(sys.argv[1:]))\n"
+            "finally:\n    print('torch imported' if 'torch' in sys.modules else 'torch not imported')")  # Hydra exits
+    r = subprocess.run([sys.executable, "-c", code, "--config", "textdet_tiny", f"hydra.run.dir={tmp_path}",
+                        *overrides], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode != 0 and needle in r.stderr, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "torch not imported"
+
+
 def test_bad_config_name_is_one_line(tmp_path):
     r = export_cli("--config", "no_such_config_x")
     assert r.returncode != 0 and "no config 'no_such_config_x'" in r.stderr and "Traceback" not in r.stderr

@@ -523,8 +523,8 @@ def test_keypoint_heatmaps_are_refused_by_torch_export_in_one_line():
 
 # Patches of a model's modules need that model: tests/test_adet_family.py::test_family_module_patches_are_size_
 # general_through_apply_patches exports the stand-in's modules at one size and runs them at others (TorchScript-based
-# exporter); tests/test_export_pipeline.py::test_torch_export_based_exporter_is_size_and_batch_general does the same
-# for the whole tiny model through torch.export, where reference points and proposals fail to export without them.
+# exporter); tests/test_dynamo_exporter.py does the same for the whole tiny model through torch.export (two sizes and a
+# batch verified), where reference points and proposals fail to export without them.
 MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-level", "encoder-proposals-per-level",
                   # tests/test_swin_backbone.py: upstream's Swin exported at one size, run at others and batches
                   "swin-shift-mask", "swin-window-sizes", "swin-patch-merging", "patch-embed-padding",
