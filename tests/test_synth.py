@@ -55,6 +55,31 @@ def test_same_arguments_same_bytes_whatever_the_workers(kind, tmp_path, text_set
     assert files(other)["images/000000.jpg"] != theirs["images/000000.jpg"]
 
 
+def test_unasked_workers_start_a_pool_only_where_the_set_pays_for_it(tmp_path, monkeypatch, box_set):
+    """Without --workers, a handful of pictures is drawn in the caller (a pool's processes each import the calling
+    script again: seconds); past the threshold a pool of one per core, the same bytes either way."""
+    started = []
+
+    class Recording:  # the pool's interface, in this process
+        def __init__(self, workers, mp_context=None):
+            started.append(workers)
+
+        def map(self, fn, jobs, chunksize=1):
+            return map(fn, jobs)
+
+        def shutdown(self, cancel_futures=False):
+            pass
+
+    monkeypatch.setattr(synth_module, "ProcessPoolExecutor", Recording)
+    monkeypatch.setattr(synth_module.os, "cpu_count", lambda: 2)
+    small = generate("boxes", tmp_path / "small", count=12, seed=3, size=SIZE)
+    assert started == []
+    monkeypatch.setattr(synth_module, "POOL_PAYS_AFTER_S", 0.0)
+    pooled = generate("boxes", tmp_path / "pooled", count=12, seed=3, size=SIZE)
+    assert started == [2]
+    assert files(small) == files(pooled) == files(box_set)
+
+
 def inside_picture(points, width, height):
     p = np.asarray(points, dtype=np.float64).reshape(-1, 2)
     return bool(((p >= 0) & (p <= [width, height])).all())

@@ -7,11 +7,13 @@ moved there only when complete.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -26,6 +28,10 @@ IGNORE_LABEL = 255  # as detectron2's and Mask2Former's COCO semantic maps have 
 PANOPTIC = "panoptic"  # per picture a PNG: each pixel's segment id as R + 256·G + 256²·B, 0 void (COCO panoptic)
 PANOPTIC_JSON = "panoptic.json"  # COCO panoptic: each picture's segments_info, the categories with isthing
 JPEG_QUALITY = 92
+# workers unasked, a process pool only where drawing the pictures alone would take longer than this: each worker
+# imports the calling script again (a training script's torch and detectron2: about 5 s on 2 cores; 4 pictures took
+# 6.1 s through a pool of 2 against 0.12 s in the caller)
+POOL_PAYS_AFTER_S = 10.0
 
 
 def _module(kind: str):
@@ -95,7 +101,8 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
              workers: int | None = None, vis: int = 0, force: bool = False, segmentation: bool = False) -> Path:
     """Write `count` pictures of the kind and their COCO JSON into `out` (images/, annotations.json; vis/ with the
     labels drawn on the first `vis` pictures; with `segmentation` (boxes only) also semantic/, panoptic/ and
-    panoptic.json). Returns `out`."""
+    panoptic.json). `workers`: processes drawing them; unasked, one per core where the set is large enough to pay for
+    starting them. Returns `out`."""
     from d2export.progress import steps
 
     module = _module(kind)
@@ -107,6 +114,7 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty (--force replaces it)")
     width, height = size
+    asked = workers
     workers = max(1, min(workers or os.cpu_count() or 1, count))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -117,8 +125,13 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
             (tmp / PANOPTIC).mkdir()
         images, annotations, panoptic = [], [], []
         jobs = [(kind, seed, i, width, height, segmentation) for i in range(count)]
+        started = time.perf_counter()
+        first = _picture(jobs[0])  # each picture is its index's alone: the same bytes in this process or a worker
+        if asked is None and (time.perf_counter() - started) * (count - 1) < POOL_PAYS_AFTER_S:
+            workers = 1
         pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
-        results = pool.map(_picture, jobs, chunksize=8) if pool else map(_picture, jobs)
+        rest = pool.map(_picture, jobs[1:], chunksize=8) if pool else map(_picture, jobs[1:])
+        results = itertools.chain([first], rest)
         try:
             for i, (jpeg, anns, labels) in enumerate(steps(results, f"synth {kind}", total=count)):
                 name = f"{i:06d}.jpg"
