@@ -114,8 +114,7 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
     if out.exists() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty (--force replaces it)")
     width, height = size
-    asked = workers
-    workers = max(1, min(workers or os.cpu_count() or 1, count))
+    processes = max(1, min(workers or os.cpu_count() or 1, count))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -127,9 +126,9 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
         jobs = [(kind, seed, i, width, height, segmentation) for i in range(count)]
         started = time.perf_counter()
         first = _picture(jobs[0])  # each picture is its index's alone: the same bytes in this process or a worker
-        if asked is None and (time.perf_counter() - started) * (count - 1) < POOL_PAYS_AFTER_S:
-            workers = 1
-        pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn")) if workers > 1 else None
+        if workers is None and (time.perf_counter() - started) * (count - 1) < POOL_PAYS_AFTER_S:
+            processes = 1
+        pool = ProcessPoolExecutor(processes, mp_context=get_context("spawn")) if processes > 1 else None
         rest = pool.map(_picture, jobs[1:], chunksize=8) if pool else map(_picture, jobs[1:])
         results = itertools.chain([first], rest)
         try:
@@ -184,7 +183,8 @@ def synth_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=100, help="number of pictures")
     ap.add_argument("--seed", type=int, default=0, help="random seed")
     ap.add_argument("--size", default="640x640", help="picture size WIDTHxHEIGHT")
-    ap.add_argument("--workers", type=int, default=0, help="processes (default: one per CPU core)")
+    ap.add_argument("--workers", type=int, default=0,
+                    help="processes (default: one per CPU core where the set pays for starting them)")
     ap.add_argument("--vis", type=int, nargs="?", const=8, default=0, metavar="N",
                     help="also draw the labels on the first N pictures into DIR/vis (N: 8 when omitted; default 0)")
     ap.add_argument("--segmentation", action="store_true", help=f"boxes: also per-pixel labels, the shapes as "
