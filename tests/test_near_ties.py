@@ -27,7 +27,8 @@ def test_gaps_around_and_inside_the_selection_are_measured_on_each_case(tmp_path
     path = _topk_graph(tmp_path / "m.onnx")
     clean = [[5, 4, 3, 2, 1, 0.5]]
     tied = [[5, 4, 3.00001, 3, 1, 0.5], [9, 8.5, 8.49999, 2, 1, 0.5]]  # row 2: a near-tie inside the selection
-    found = {s.case: s for s in near_ties.selections(path, [_case("clean", clean), _case("tied", tied)])}
+    copy = near_ties.SelectingCopy(path)
+    found = {s.case: s for s in near_ties.selections(copy, [_case("clean", clean), _case("tied", tied)])}
     assert found["clean"].k == 3 and found["clean"].candidates == 6
     assert found["clean"].boundary_gap == pytest.approx(1.0, rel=1e-5)
     assert found["clean"].inner_gap == pytest.approx(1.0, rel=1e-5)
@@ -40,15 +41,17 @@ def test_gaps_around_and_inside_the_selection_are_measured_on_each_case(tmp_path
 def test_what_counts_as_tied_follows_the_graph_precision(tmp_path):
     path = _topk_graph(tmp_path / "m.onnx")
     rows = [[5, 4, 3.001, 3, 1, 0.5]]  # gap 1e-3 at values ~4: float16 noise, far above float32's
-    assert not near_ties.selections(path, [_case("c", rows)], precision="float32")[0].near_tied
-    assert near_ties.selections(path, [_case("c", rows)], precision="float16")[0].near_tied
+    copy = near_ties.SelectingCopy(path)
+    assert not near_ties.selections(copy, [_case("c", rows)], precision="float32")[0].near_tied
+    assert near_ties.selections(copy, [_case("c", rows)], precision="float16")[0].near_tied
 
 
 def test_describe_names_the_node_and_case_or_says_nothing(tmp_path):
     path = _topk_graph(tmp_path / "m.onnx")
-    message = near_ties.describe(path, [_case("320x320", [[5, 4, 3.00001, 3, 1, 0.5]])])
+    copy = near_ties.SelectingCopy(path)
+    message = near_ties.describe(copy, [_case("320x320", [[5, 4, 3.00001, 3, 1, 0.5]])])
     assert "near-tied selections" in message and "320x320: TopK proposals (k=3 of 6" in message
-    assert near_ties.describe(path, [_case("320x320", [[5, 4, 3, 2, 1, 0.5]])]) == ""
+    assert near_ties.describe(copy, [_case("320x320", [[5, 4, 3, 2, 1, 0.5]])]) == ""
 
 
 def test_graphs_without_selection_and_broken_inputs_never_hide_the_error(tmp_path):
@@ -56,6 +59,8 @@ def test_graphs_without_selection_and_broken_inputs_never_hide_the_error(tmp_pat
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 6])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 6])])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "plain.onnx"))
-    assert near_ties.selections(tmp_path / "plain.onnx", [_case("c", [[1, 2, 3, 4, 5, 6]])]) == []
-    broken = near_ties.describe(_topk_graph(tmp_path / "m.onnx"), [Case("c", {"wrong": np.zeros(1)}, [])])
+    plain = near_ties.SelectingCopy(tmp_path / "plain.onnx")
+    assert near_ties.selections(plain, [_case("c", [[1, 2, 3, 4, 5, 6]])]) == []
+    broken = near_ties.describe(near_ties.SelectingCopy(_topk_graph(tmp_path / "m.onnx")),
+                                [Case("c", {"wrong": np.zeros(1)}, [])])
     assert broken.startswith("(selections not checked:")

@@ -19,7 +19,7 @@ from torch import nn
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.exporting import pinning, verifying
+from d2export.exporting import near_ties, pinning, verifying
 from d2export.exporting.verify import Case, VerificationError, compare_case
 
 FLOAT32 = pinning.Tolerances(atol=1e-3, rtol=1e-3, pixel_atol=1e-3)  # verify's defaults
@@ -182,8 +182,11 @@ def test_a_selection_off_by_one_is_refused(tmp_path, no_ladder, monkeypatch):
         return values.narrow(dim, 1, k), indices.narrow(dim, 1, k)  # the best candidate dropped
 
     monkeypatch.setattr(torch, "topk", shifted)
+    opened, real = [], near_ties.selecting_session
+    monkeypatch.setattr(near_ties, "selecting_session", lambda path, *a: opened.append(path) or real(path, *a))
     message = _refused(_built("textdet_tiny", tmp_path))
     assert "does not select what eager selects" in message
+    assert len(opened) == 1, opened  # the pinning and the near-tie lines read one copy of the graph
 
 
 def test_two_outputs_swapped_are_refused_even_with_a_tie(tmp_path):
@@ -246,7 +249,7 @@ def test_pinning_clears_a_tie_the_graph_broke_another_way(tmp_path):
     path, case, rerun, judge, actual = _two_stage_case(tmp_path, 1e-7, _tied_scores())
     expected = case.expected[0]
     assert not np.allclose(actual[0], expected)  # the planted tie really changed the answer
-    [result] = pinning.pin_cases(path, [case], ["picked"], rerun, judge, TIGHT)
+    [result] = pinning.pin_cases(near_ties.SelectingCopy(path), [case], ["picked"], rerun, judge, TIGHT)
     assert result.ok, result.why
     assert result.picks and result.picks[0].positions > 0 and result.picks[0].gap == 0.0
     assert "picked differently; with the graph's selection every output agrees" in result.line()
@@ -255,7 +258,7 @@ def test_pinning_clears_a_tie_the_graph_broke_another_way(tmp_path):
 def test_pinning_refuses_a_pick_outside_the_noise(tmp_path):
     scores = np.array([[3.0, 2.9, 2.8, 2.7, 2.6, 1.0, 0.5, 0.25]], np.float32)
     path, case, rerun, judge, _ = _two_stage_case(tmp_path, 0.3, scores)  # lifts candidate 5-ish: a real change
-    [result] = pinning.pin_cases(path, [case], ["picked"], rerun, judge, TIGHT)
+    [result] = pinning.pin_cases(near_ties.SelectingCopy(path), [case], ["picked"], rerun, judge, TIGHT)
     assert not result.ok and "not float noise" in result.why
 
 
@@ -264,7 +267,7 @@ def test_pinning_says_when_the_selections_agree(tmp_path):
     path, case, rerun, _, actual = _two_stage_case(tmp_path, 0.0, scores)
     wrong = lambda name, e, a: (cs := compare_case(name, e, {"picked": a["picked"] + 1}, 1e-5, 1e-5),  # noqa: E731
                                 all(c.ok for c in cs))
-    [result] = pinning.pin_cases(path, [case], ["picked"], rerun, wrong, TIGHT)
+    [result] = pinning.pin_cases(near_ties.SelectingCopy(path), [case], ["picked"], rerun, wrong, TIGHT)
     assert not result.ok and "not a tie" in result.why
 
 
@@ -416,7 +419,7 @@ def test_nms_inside_the_graphs_if_branch_is_pinned_where_float_noise_explains_it
     shift = torch.tensor([-2e-7, 0, -2e-7, 0, 0, 0])  # the graph's scores put B over A and D over C
     path, case, rerun, judge, actual = _suppression_case(tmp_path, Suppress(graph_shift=shift))
     assert actual[0].tolist() != case.expected[0].tolist()  # the graph really kept other boxes
-    [result] = pinning.pin_cases(path, [case], ["kept"], rerun, judge, TIGHT)
+    [result] = pinning.pin_cases(near_ties.SelectingCopy(path), [case], ["kept"], rerun, judge, TIGHT)
     assert result.ok, result.why
     [pick] = result.picks
     assert pick.node.startswith("NonMaxSuppression") and pick.positions == 2
@@ -426,12 +429,12 @@ def test_nms_inside_the_graphs_if_branch_is_pinned_where_float_noise_explains_it
 def test_nms_with_another_iou_threshold_is_refused(tmp_path):
     path, case, rerun, judge, actual = _suppression_case(tmp_path, Suppress(graph_threshold=0.4))
     assert len(actual[0]) < len(case.expected[0])  # the graph also dropped the pair at IoU 0.43
-    [result] = pinning.pin_cases(path, [case], ["kept"], rerun, judge, TIGHT)
+    [result] = pinning.pin_cases(near_ties.SelectingCopy(path), [case], ["kept"], rerun, judge, TIGHT)
     assert not result.ok and "overlaps no kept box of its class past the IoU threshold" in result.why
 
 
 def test_nms_keeping_a_box_its_scores_do_not_explain_is_refused(tmp_path):
     shift = torch.tensor([0, 0, 0, 0, -0.1, 0])  # the graph lowers the 0.6 box under its 0.55 neighbour
     path, case, rerun, judge, _ = _suppression_case(tmp_path, Suppress(graph_shift=shift))
-    [result] = pinning.pin_cases(path, [case], ["kept"], rerun, judge, TIGHT)
+    [result] = pinning.pin_cases(near_ties.SelectingCopy(path), [case], ["kept"], rerun, judge, TIGHT)
     assert not result.ok and "not float noise" in result.why

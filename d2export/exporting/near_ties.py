@@ -10,6 +10,7 @@ there.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -166,10 +167,24 @@ def _expose_thresholds(graph) -> list[Threshold]:
     return found
 
 
-def selections(model_path: str | Path, cases, session_options=None, precision: str = "float32") -> list[Selection]:
+class SelectingCopy:
+    """The graph at `path` as `selecting_session` opens it, opened on first use and then kept: a failed verification's
+    pinning and its near-tie lines read the same copy (each opening loads the graph, infers its shapes and starts a
+    session)."""
+
+    def __init__(self, path: str | Path, session_options=None):
+        self.path, self.session_options = path, session_options
+
+    @functools.cached_property
+    def opened(self) -> tuple:
+        """(onnxruntime session, the selecting nodes), as `selecting_session` returns them."""
+        return selecting_session(self.path, self.session_options)
+
+
+def selections(copy: SelectingCopy, cases, precision: str = "float32") -> list[Selection]:
     """Every TopK of the graph's top level, on every case: the gaps around and inside what it selected (per batch row
     and selection, the worst)."""
-    session, nodes = selecting_session(model_path, session_options)
+    session, nodes = copy.opened
     nodes = [n for n in nodes if n.op_type == "TopK"]
     if not nodes:
         return []
@@ -203,10 +218,10 @@ def threshold(close: float, scale: float) -> float:
     return close * max(scale, 1.0)
 
 
-def describe(model_path: str | Path, cases: Sequence, session_options=None, precision: str = "float32") -> str:
+def describe(copy: SelectingCopy, cases: Sequence, precision: str = "float32") -> str:
     """Lines for a verification error: the near-tied selections on `cases`, or '' where there are none."""
     try:
-        tied = [s for s in selections(model_path, cases, session_options, precision) if s.near_tied]
+        tied = [s for s in selections(copy, cases, precision) if s.near_tied]
     except Exception as e:  # noqa: BLE001 - a diagnosis must never hide the error it explains
         return f"(selections not checked: {type(e).__name__}: {e})"
     if not tied:

@@ -480,10 +480,10 @@ def _far(p: Pick) -> str:
             f"{p.bound:.2g} (twice the graph's largest difference from eager at the candidates)")
 
 
-def pin_cases(path, cases, output_names: Sequence[str], rerun, judge, tolerances: Tolerances,
-              session_options=None) -> list[PinnedCase]:
-    """`pin_case` for each of `cases` (the failed ones) on the graph at `path`."""
-    session, nodes = near_ties.selecting_session(path, session_options)
+def pin_cases(copy: near_ties.SelectingCopy, cases, output_names: Sequence[str], rerun, judge,
+              tolerances: Tolerances) -> list[PinnedCase]:
+    """`pin_case` for each of `cases` (the failed ones) on the graph `copy` opens."""
+    session, nodes = copy.opened
     if not nodes:
         return [PinnedCase(c.name, why="the graph makes no selection (TopK, NMS, threshold)") for c in cases]
     names = [o.name for o in session.get_outputs()]

@@ -42,10 +42,19 @@ def ran_on(session, path: Path) -> dict:
     return ran | ({"msda_kernel": kernel} if kernel else {})
 
 
-def near_ties_lines(path: Path, cases, results, precision: str) -> str:
-    """For a failed verification: the graph's selections that are near-tied on the failing cases ('' if none)."""
+def selecting_copy(path: Path):
+    """The graph's copy that exposes its selections (near_ties.SelectingCopy), on the sessions' options: one per
+    verification, shared by its pinning and its near-tie lines."""
+    from d2export.exporting import near_ties
+
+    return near_ties.SelectingCopy(path, session_options(path))
+
+
+def near_ties_lines(copy, cases, results, precision: str) -> str:
+    """For a failed verification: the selections of the graph `copy` opens that are near-tied on the failing cases
+    ('' if none)."""
     from d2export.exporting import near_ties
 
     failed = {r.case for r in results if not r.ok}
-    found = near_ties.describe(path, [c for c in cases if c.name in failed], session_options(path), precision)
+    found = near_ties.describe(copy, [c for c in cases if c.name in failed], precision)
     return f"\n{found}" if found else ""

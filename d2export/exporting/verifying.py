@@ -115,7 +115,8 @@ def verify_float32(subject: Subject) -> dict:
     built, tol = subject.built, float32_tolerances(subject.built.cfg)
     progress.step(5, "verifying with onnxruntime", f"{len(subject.cases)} cases")
     session = sessions.session(subject.path, built.cfg.verify.providers)
-    results, pinned = _float32_results(subject, session)
+    copy = sessions.selecting_copy(subject.path)  # opened only if a case fails
+    results, pinned = _float32_results(subject, session, copy)
     log.info("verification:\n%s", verify.format_table(results))
     summary = verify.summarise(results) | {
         "atol": tol.atol, "rtol": tol.rtol, "pixel_atol": tol.pixel_atol,
@@ -129,13 +130,13 @@ def verify_float32(subject: Subject) -> dict:
     try:
         verify.check(results)
     except verify.VerificationError as e:
-        ties = sessions.near_ties_lines(subject.path, subject.cases, results, "float32")
+        ties = sessions.near_ties_lines(copy, subject.cases, results, "float32")
         raise verify.VerificationError(f"{e}{_culprit_line(summary['ladder'])}{pinning.unpinned_lines(summary)}"
                                        f"{ties}") from None
     return summary
 
 
-def _float32_results(subject: Subject, session) -> tuple[list, list]:
+def _float32_results(subject: Subject, session, copy) -> tuple[list, list]:
     """Every case's comparisons within the float32 tolerances, failed cases rerun with the graph's near-tied
     selections pinned; and those pinnings."""
     built, tol = subject.built, float32_tolerances(subject.built.cfg)
@@ -149,7 +150,7 @@ def _float32_results(subject: Subject, session) -> tuple[list, list]:
                                        per_output)
         return compared, all(c.ok for c in compared)
 
-    pinned = _pin_selections(subject, {r.case for r in results if not r.ok}, judge,
+    pinned = _pin_selections(subject, copy, {r.case for r in results if not r.ok}, judge,
                              pinning.Tolerances(tol.atol, tol.rtol, tol.pixel_atol))
     return pinning.with_pinned(results, pinned), pinned
 
@@ -210,17 +211,17 @@ def _culprit_line(ladder_summary: dict) -> str:
             f"forward at {culprit['source']}")
 
 
-def _pin_selections(subject: Subject, failed_names: set, judge, tolerances: pinning.Tolerances) -> list:
-    """The failed cases again with the graph's near-tied selections imposed on eager (exporting/pinning.py), its
-    candidate values held to `tolerances` (those of the outputs); `judge(case, expected, actual)` → (comparisons,
-    whether the case passes), by the precision's own rules."""
+def _pin_selections(subject: Subject, copy, failed_names: set, judge, tolerances: pinning.Tolerances) -> list:
+    """The failed cases again with the graph's near-tied selections (read off `copy`, sessions.selecting_copy) imposed
+    on eager (exporting/pinning.py), its candidate values held to `tolerances` (those of the outputs);
+    `judge(case, expected, actual)` → (comparisons, whether the case passes), by the precision's own rules."""
     failed = [c for c in subject.cases if c.images is not None and c.name in failed_names]
     if not failed or not subject.built.cfg.verify.pin_selections:
         return []
     reference = subject.built.adapter.reference
     with progress.busy("checking the failed cases' selections"):
-        pinned = pinning.pin_cases(subject.path, failed, subject.output_names, lambda c: reference(c.images), judge,
-                                   tolerances, sessions.session_options(subject.path))
+        pinned = pinning.pin_cases(copy, failed, subject.output_names, lambda c: reference(c.images), judge,
+                                   tolerances)
     for p in pinned:
         log.log(logging.INFO if p.ok else logging.WARNING, "%s", p.line())
     return pinned
@@ -287,6 +288,7 @@ def _verify_reduced(subject: Subject, precision: str) -> dict:
     cfg, path, cases, names = subject.built.cfg, subject.path, subject.cases, subject.output_names
     tol, kinds = reduced_tolerances(cfg, precision), subject.built.family.output_kinds
     session = sessions.session(path, cfg.verify.providers, precision)
+    copy = sessions.selecting_copy(path)  # opened only if a case fails
     summary = verify.run_reduced_precision(session, names, cases, tol, kinds)
     if not summary["passed"]:
         results = [verify.Comparison(**c) for c in summary["cases"]]
@@ -298,7 +300,7 @@ def _verify_reduced(subject: Subject, precision: str) -> dict:
             return compared, all(c.ok for c in compared) and agreements[case] >= tol.min_agreement
 
         failed = weak | {r.case for r in results if not r.ok}
-        pinned = _pin_selections(subject, failed, judge,
+        pinned = _pin_selections(subject, copy, failed, judge,
                                  pinning.Tolerances(tol.atol, tol.rtol, tol.atol, tol.max_mismatch))
         if pinned:
             summary = verify.reduced_summary(pinning.with_pinned(results, pinned), agreements, tol)
@@ -319,7 +321,7 @@ def _verify_reduced(subject: Subject, precision: str) -> dict:
         raise verify.VerificationError(
             f"the {tol.precision} graph disagrees with eager PyTorch: {'; '.join(why)}\n"
             f"{verify.format_table(failed)}{pinning.unpinned_lines(summary)}"
-            f"{sessions.near_ties_lines(path, cases, failed, tol.precision)}")
+            f"{sessions.near_ties_lines(copy, cases, failed, tol.precision)}")
     return summary
 
 
