@@ -192,7 +192,8 @@ def check_below_minimums(subject: Subject, min_sizes: dict[str, int]) -> dict:
     failed = None
     if cases:
         below = Subject(built, subject.path, cases)
-        results, _ = _float32_results(below, sessions.session(subject.path, built.cfg.verify.providers))
+        results, _ = _float32_results(below, sessions.session(subject.path, built.cfg.verify.providers),
+                                      sessions.selecting_copy(subject.path))
         failed = next((c.name for c in cases if not all(r.ok for r in results if r.case == c.name)), None)
         verdict = ("the graph agrees: served at any size" if failed is None else
                    f"the graph differs at {failed}: the runtime pads smaller pictures up to the minimums")
