@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -172,13 +172,13 @@ class SelectingCopy:
     pinning and its near-tie lines read the same copy (each opening loads the graph, infers its shapes and starts a
     session)."""
 
-    def __init__(self, path: str | Path, session_options=None):
-        self.path, self.session_options = path, session_options
+    def __init__(self, path: str | Path, make_options: Callable[[], object] | None = None):
+        self.path, self.make_options = path, make_options  # options made at opening too: a passing check opens none
 
     @functools.cached_property
     def opened(self) -> tuple:
         """(onnxruntime session, the selecting nodes), as `selecting_session` returns them."""
-        return selecting_session(self.path, self.session_options)
+        return selecting_session(self.path, self.make_options() if self.make_options else None)
 
 
 def selections(copy: SelectingCopy, cases, precision: str = "float32") -> list[Selection]:

@@ -43,11 +43,12 @@ def ran_on(session, path: Path) -> dict:
 
 
 def selecting_copy(path: Path):
-    """The graph's copy that exposes its selections (near_ties.SelectingCopy), on the sessions' options: one per
-    verification, shared by its pinning and its near-tie lines."""
+    """The graph's copy that exposes its selections (near_ties.SelectingCopy), on the sessions' options (made when it
+    opens: they read the file for its custom operators): one per verification, shared by its pinning and its near-tie
+    lines."""
     from d2export.exporting import near_ties
 
-    return near_ties.SelectingCopy(path, session_options(path))
+    return near_ties.SelectingCopy(path, lambda: session_options(path))
 
 
 def near_ties_lines(copy, cases, results, precision: str) -> str:
