@@ -116,6 +116,16 @@ def load_d2_config(model: ModelConfig, root: Path, device: str = "cpu") -> Any:
     return cfg
 
 
+def charset_search(model: ModelConfig, root: Path) -> list[Path]:
+    """Where a relative dictionary path in the model's config may lie, after the working directory the model's own
+    tools open it from: the folders on model.sys_path (a clone's root), then the model config's folder and those
+    above it (configs/R_50/ReCTS/ lies inside the clone)."""
+    folders = [(root / p).resolve() for p in model.sys_path]
+    if model.d2_config and (root / model.d2_config).exists():
+        folders += list((root / model.d2_config).resolve().parents)
+    return list(dict.fromkeys(folders))
+
+
 def d2_config_path(name: str, root: Path) -> Path:
     """A YAML path (relative to `root`), or a name inside detectron2's model zoo
     (`COCO-Detection/retinanet_R_50_FPN_1x.yaml`)."""

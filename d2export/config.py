@@ -46,6 +46,9 @@ class ModelConfig:
                                "false: export anyway, the missing/unexpected/mismatched names in the manifest")
     seed: int = opt(0, "seed for random weights and dummy inputs")
     family: str = opt("auto", "model family reading the outputs (d2export/families); auto tries each in turn")
+    charset: Optional[str] = opt(None, "a text spotter's character dictionary (pickled list, JSON list or map, or "
+                                 "text, one per line) instead of the one its config names (MODEL.TRANSFORMER."
+                                 "CUSTOM_DICT, MODEL.BATEXT.CUSTOM_DICT) or the built-in one for its VOC_SIZE")
 
 
 @dataclass
@@ -260,7 +263,8 @@ def resolve(cfg: Any) -> D2ExportConfig:
 def check_files(cfg: D2ExportConfig, root: Path) -> None:
     """The files the config names exist (relative to `root`): said before importing or building anything."""
     m = cfg.model
-    named = [(f"model.{k}", getattr(m, k)) for k in ("d2_config", "lazy_config", "weights") if getattr(m, k)]
+    named = [(f"model.{k}", getattr(m, k)) for k in ("d2_config", "lazy_config", "weights", "charset")
+             if getattr(m, k)]
     named += [(f"model.sys_path[{i}]", p) for i, p in enumerate(m.sys_path)]
     for key, value in named:
         zoo = key == "model.d2_config"

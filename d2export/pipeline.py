@@ -16,15 +16,17 @@ import os
 import platform
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from d2export import __version__, building, progress
+from d2export.building import charset_search
+from d2export.charset import CharsetError
 from d2export.config import D2ExportConfig, check_files
-from d2export.exporting import verifying
+from d2export.exporting import served_text, verifying
 from d2export.exporting.lint import lint_export
 from d2export.exporting.onnx_export import ExportError, export_onnx, export_scope, traced_sizes
 # ladder and reduced_tolerances live in verifying.py; d2export.pipeline keeps them for its callers (docs/ladder.md)
@@ -50,6 +52,8 @@ class Built:
     swapped: list[str]
     weights: dict  # the manifest's record of the weights (building.load_weights)
     device: str = "cpu"  # where the model runs (export.device resolved)
+    charset: dict = field(default_factory=dict)  # the manifest's character set, where the family reads text
+    model_folders: list = field(default_factory=list)  # where the model's relative files may lie (charset_search)
 
 
 def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
@@ -73,6 +77,11 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     except families.FamilyError as e:
         raise building.UserError(f"model.family={cfg.model.family}: {e}") from None
     log.info("model family: %s (%s)", family.name, family.summary)
+    try:  # before anything is traced: a wrong dictionary is said now, not served as wrong words
+        folders = charset_search(cfg.model, root)
+        charset = family.text_charset(d2cfg, cfg.model.charset, folders)
+    except CharsetError as e:
+        raise building.UserError(f"the model's character set: {e}") from None
     if cfg.export.postprocess == "graph" and not family.postprocess_in_graph:
         raise building.UserError(f"export.postprocess=graph: the {family.name} family has no post-processing to put "
                                  "in the graph (segmenters only: Mask2Former, OneFormer, MaskDINO)")
@@ -83,7 +92,7 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
         options = families.AdapterOptions(example=example, text_logits=cfg.export.text_logits,
                                           postprocess=cfg.export.postprocess)
         adapter = family.adapter(model, d2cfg, options).to(device).eval()
-    return Built(cfg, d2cfg, model, family, adapter, swapped, weights, device)
+    return Built(cfg, d2cfg, model, family, adapter, swapped, weights, device, charset, folders)
 
 
 FAULT_STAGES = ("built", "exported", "verified", "staged", "model-published", "done")
@@ -180,6 +189,12 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
                     verification["int8"] = verifying.quantise_to_int8(subject)
             _fault_point("verified")
             manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
+            if cases:  # what users receive, against the model's own code (text spotters' words)
+                with stage("verify"):
+                    served = served_text.check(built, staged_model, manifest, verification_sizes(cfg)[:2])
+                if served:
+                    manifest = dataclasses.replace(manifest,
+                                                   verification=manifest.verification | {"served_text": served})
             manifest.write(staged_manifest)
             _fault_point("staged")
         # the model is in place; its manifest follows (a failure or kill in between leaves an orphan the next removes)
@@ -227,7 +242,8 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
         opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
         precision="int8" if e.int8 else "float16" if e.fp16 else "float32",
         preprocess=built.family.preprocess(built.d2cfg) | _min_input_size(lint),
-        postprocess=built.family.postprocess(built.d2cfg) | ({"in_graph": True} if e.postprocess == "graph" else {}),
+        postprocess=built.family.postprocess(built.d2cfg) | built.charset
+        | ({"in_graph": True} if e.postprocess == "graph" else {}),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {}),
         export_seconds=round(time.perf_counter() - started, 2), weights=built.weights,

@@ -189,7 +189,7 @@ def test_deepsolo_charset_and_ctc_reading_follow_upstream(voc_size):
 
     cfg = get_cfg()
     cfg.MODEL.TRANSFORMER.VOC_SIZE = voc_size
-    post = families.get("deepsolo").postprocess(cfg)
+    post = families.get("deepsolo").postprocess(cfg) | families.get("deepsolo").text_charset(cfg)
     assert post["voc_size"] == voc_size and post["text_decoding"] == "ctc" and len(post["charset"]) == voc_size - 1
     rng = np.random.default_rng(voc_size)
     for _ in range(50):
@@ -206,7 +206,7 @@ def test_deepsolo_custom_dict_is_honoured(tmp_path):
     cfg = get_cfg()
     cfg.MODEL.TRANSFORMER.VOC_SIZE = 5
     cfg.MODEL.BATEXT.CUSTOM_DICT = str(path)
-    assert families.get("deepsolo").postprocess(cfg)["charset"] == "中文字符"
+    assert families.get("deepsolo").text_charset(cfg)["charset"] == "中文字符"
 
 
 # ----------------------------------------------------------------------------------- export and serving

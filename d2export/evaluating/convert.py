@@ -27,7 +27,8 @@ def _rows(value) -> np.ndarray:
 
 
 def read_text(ids, post: dict[str, Any]) -> str:
-    return decode([int(i) for i in ids], list(post.get("charset", "")), ctc=post.get("text_decoding") == "ctc")
+    return decode([int(i) for i in ids], list(post.get("charset", "")), ctc=post.get("text_decoding") == "ctc",
+                  unknown=post.get("unknown_id"))
 
 
 def to_prediction(instances, post: dict[str, Any]) -> Prediction:

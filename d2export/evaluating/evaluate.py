@@ -288,7 +288,7 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
         runs = []
         with contextlib.redirect_stdout(sys.stderr):  # pycocotools prints its tables: stdout keeps the report
             if built:
-                post = family.postprocess(d2cfg)
+                post = family.postprocess(d2cfg) | built.charset
                 runs.append(pytorch_run(built.model, records, make(post), family.preprocess(d2cfg), post))
             for path in paths:
                 runs.append(onnx_run(path, records, make, providers, threads))

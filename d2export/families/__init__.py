@@ -93,6 +93,12 @@ class Family:
         """The manifest's post-processing section: what `instances` needs (threshold, charset, class names, …)."""
         return {}
 
+    def text_charset(self, cfg, override: str | None = None, search=()) -> dict[str, Any]:
+        """The manifest's character set (`charset`, `charset_source`, `charset_sha256`) where the family reads text,
+        from the model's own config or `override` (model.charset); {} where it reads none. Raises
+        charset.CharsetError."""
+        return {}
+
     # serving side (numpy only) ------------------------------------------------------------------------------------
     def instances(self, outputs: dict[str, np.ndarray], index: int, input_hw: tuple[int, int],
                   original_hw: tuple[int, int], post: dict[str, Any], threshold: float) -> list[Instance]:

@@ -49,16 +49,16 @@ def best_chars(text_logits):
     return ids, probs
 
 
-def text_postprocess(transformer_cfg, points: str, chars: list[str] | None = None, ctc: bool = False,
+def text_postprocess(transformer_cfg, points: str, reads: bool = False, ctc: bool = False,
                      num_chars: int | None = None) -> dict[str, Any]:
-    """The manifest's post-processing for a text spotter: threshold, point layout and, where it reads text (`chars`:
-    index → character), the character set and how per-slot ids read (`ctc`: runs collapse, as DeepSolo's).
+    """The manifest's post-processing for a text spotter: threshold, point layout and, where it `reads` text, how
+    per-slot ids read (`ctc`: runs collapse, as DeepSolo's); the character set itself is `TextSpotter.text_charset`'s.
     `points`: "polygon" (closed outline), "bezier" (8 control points) or "centre_line" (open)."""
     t = transformer_cfg
     post = {"score_threshold": float(t.INFERENCE_TH_TEST), "points": points,
             "use_polygon": points != "bezier"}  # use_polygon: what manifests of the first release carry
-    if chars is not None:
-        post |= {"voc_size": int(t.VOC_SIZE), "num_chars": int(num_chars or t.NUM_CHARS), "charset": "".join(chars),
+    if reads:
+        post |= {"voc_size": int(t.VOC_SIZE), "num_chars": int(num_chars or t.NUM_CHARS),
                  "text_decoding": "ctc" if ctc else "slots"}
     return post
 
@@ -99,7 +99,8 @@ def text_instances(outputs: dict[str, np.ndarray], index: int, input_hw: tuple[i
         if "char_ids" in outputs:
             ids, probs = outputs["char_ids"][index, k], outputs["char_scores"][index, k]
             kept = (ids >= 0) & (ids < len(chars))
-            inst.text = decode(ids.tolist(), chars, ctc=post.get("text_decoding") == "ctc")
+            inst.text = decode(ids.tolist(), chars, ctc=post.get("text_decoding") == "ctc",
+                               unknown=post.get("unknown_id"))
             inst.text_score = float(probs[kept].mean()) if kept.any() else 0.0
         instances.append(inst)
     return instances
@@ -128,8 +129,29 @@ class TextSpotter(Family):
     # input_proj): static quantises the MatMuls, as dynamic does, with calibrated activations
     int8_static_ops = ("MatMul", "Gemm")
 
+    # where the model's config names its character dictionary, first found first (charset.py)
+    charset_keys = ("MODEL.TRANSFORMER.CUSTOM_DICT", "MODEL.BATEXT.CUSTOM_DICT")
+    # what the "unknown" class (VOC_SIZE - 1) reads as in the model's own visualizer: TESTR writes '口', DeepSolo
+    # nothing
+    unknown_reads = ""
+    reads_text = True
+    built_in_first = False  # DeepSolo's tools take the built-in set for VOC_SIZE 37/96 whatever the config names
+
     def missing(self, model):
         return lacks(model, self.head)
+
+    def text_charset(self, cfg, override=None, search=()):
+        from d2export import charset
+
+        if not self.reads_text:
+            return {}
+        named = [(key, _config_value(cfg, key)) for key in self.charset_keys]
+        voc_size = int(cfg.MODEL.TRANSFORMER.VOC_SIZE)
+        found = charset.resolve(voc_size, named, override, list(search), self.built_in_first)
+        if not self.unknown_reads:
+            return found.manifest()
+        return charset.Charset(found.chars + (self.unknown_reads,), found.source).manifest() | {
+            "unknown_id": voc_size - 1}
 
     def detr_adapter(self, model, cfg, decode, output_names, **decode_options):
         """The generic DETR adapter around the model's head: `decode(raw outputs, image_sizes, **decode_options)`."""
@@ -143,3 +165,13 @@ class TextSpotter(Family):
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
         return text_instances(outputs, index, input_hw, original_hw, post, threshold)
+
+
+def _config_value(cfg, dotted: str) -> str:
+    """A yacs key's value as a string ('' where the config lacks it)."""
+    node = cfg
+    for part in dotted.split("."):
+        if part not in node:
+            return ""
+        node = node[part]
+    return str(node or "")

@@ -31,6 +31,7 @@ class DeepSolo(TextSpotter):
     name = "deepsolo"
     summary = "DeepSolo text spotter: centre lines, boundaries and text"
     head = HEAD
+    built_in_first = True
 
     def adapter(self, model, cfg, options: AdapterOptions):
         from d2export.families import find_child
@@ -40,13 +41,8 @@ class DeepSolo(TextSpotter):
         return self.detr_adapter(model, cfg, decode, names, boundary=boundary, text_logits=options.text_logits)
 
     def postprocess(self, cfg):
-        from d2export.charset import charset
-
         t = cfg.MODEL.TRANSFORMER
-        custom = str(cfg.MODEL.BATEXT.CUSTOM_DICT or "") if "BATEXT" in cfg.MODEL else ""
-        # the last class is "unknown": like "none" (voc_size) it reads as no character
-        chars = charset(int(t.VOC_SIZE), custom)[:int(t.VOC_SIZE) - 1]
-        return text_postprocess(t, "centre_line", chars, ctc=True, num_chars=int(t.NUM_POINTS))
+        return text_postprocess(t, "centre_line", reads=True, ctc=True, num_chars=int(t.NUM_POINTS))
 
 
 FAMILY = DeepSolo()

@@ -24,6 +24,7 @@ class DPTextDETR(TextSpotter):
     name = "dptext"
     summary = "DPText-DETR text detector: 16-point polygons"
     head = HEAD
+    reads_text = False
 
     def adapter(self, model, cfg, options: AdapterOptions):
         return self.detr_adapter(model, cfg, decode, OUTPUTS)

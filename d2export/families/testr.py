@@ -31,13 +31,12 @@ class TESTR(TextSpotter):
         names = OUTPUTS + (("text_logits",) if options.text_logits else ())
         return self.detr_adapter(model, cfg, decode, names, text_logits=options.text_logits)
 
-    def postprocess(self, cfg):
-        from d2export.charset import charset
+    unknown_reads = "口"
 
+    def postprocess(self, cfg):
         t = cfg.MODEL.TRANSFORMER
-        chars = charset(int(t.VOC_SIZE), str(getattr(t, "CUSTOM_DICT", "") or ""))
         ctc = bool(getattr(t, "TEXT_CTC", False))  # a stand-in's option: slots trained with CTC read as DeepSolo's
-        return text_postprocess(t, "polygon" if t.USE_POLYGON else "bezier", chars, ctc=ctc)
+        return text_postprocess(t, "polygon" if t.USE_POLYGON else "bezier", reads=True, ctc=ctc)
 
 
 FAMILY = TESTR()

@@ -45,6 +45,7 @@ def add_deepsolo_config(cfg):
     t.POSITION_EMBEDDING_SCALE = 6.283185307179586  # 2 pi
     t.NUM_FEATURE_LEVELS = 4
     t.VOC_SIZE = 37  # a-z, 0-9 and "unknown"
+    t.CUSTOM_DICT = ""  # where DeepSolo's visualizer and evaluator read a custom dictionary (ReCTS: chn_cls_list)
     t.NUM_POINTS = 25  # point queries per instance
     t.TEMPERATURE = 10000
     t.BOUNDARY_HEAD = True  # boundary points around the centre line

@@ -1,0 +1,168 @@
+"""What a text spotter serves, held to the model's own code: the words and scores the runtime reads from the
+exported graph (the manifest's charset and decoding, d2export.runtime's post-processing) against the unedited
+model's own forward (its `inference()`: scores, per-slot ids) read by its own visualizer
+(`<package>.utils.visualizer.TextVisualizer`, the class its demo draws words with).
+
+The graph's tensors are verified elsewhere (character ids, not words); a wrong dictionary, an index shifted by one
+or a wrong CTC rule passes that and is refused here. Every query is compared (the model's threshold set to 0 for the
+call), query by query, on the verification's first sizes:
+- reading: the model's own ids read by its visualizer equal the same ids read by the manifest's charset and rule —
+  exact, for every instance (no float in it);
+- served: the served word equals the model's own word, except where the graph's id differs at a slot whose two
+  probabilities are a float tie in the model's own `rec_scores` (within TIE); the score within SCORE_ATOL.
+Where the model's package has no visualizer to read with, the manifest says the words were not checked, and why.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from d2export.exporting.verify import VerificationError
+
+log = logging.getLogger("d2export")
+
+SCORE_ATOL = 1e-4  # issue 92's bound for served scores against the model's own
+TIE = 1e-4  # two characters' probabilities this close are a float tie: either id is the model's answer
+THRESHOLD_ATTRS = ("test_score_threshold",)  # where AdelaiDet-lineage detectors keep INFERENCE_TH_TEST
+
+
+class ServedTextError(VerificationError):
+    """The served words or scores are not the model's own."""
+
+
+def own_reader(model, d2cfg, ctc: bool, search=()) -> tuple[object | None, str]:
+    """The model's own id → word function (its visualizer's decoding method) and where it lives, or (None, why)."""
+    package = type(model).__module__.split(".")[0]
+    try:
+        module = importlib.import_module(f"{package}.utils.visualizer")
+    except ImportError as e:
+        return None, f"{package}.utils.visualizer cannot be imported ({e})"
+    visualizer = getattr(module, "TextVisualizer", None)
+    method = "_ctc_decode_recognition" if ctc else "_decode_recognition"
+    if visualizer is None or not hasattr(visualizer, method):
+        return None, f"{module.__name__} has no TextVisualizer.{method}"
+    from detectron2.data import MetadataCatalog
+    from detectron2.utils.visualizer import ColorMode
+
+    error = None
+    for folder in [None, *search]:  # it opens a relative dictionary path from where its tools run
+        try:
+            with _working_directory(folder):
+                made = visualizer(np.zeros((8, 8, 3), np.uint8), MetadataCatalog.get("__unused"), ColorMode.IMAGE,
+                                  d2cfg)
+            return getattr(made, method), f"{module.__name__}.TextVisualizer.{method}"
+        except FileNotFoundError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - its own checks (a dictionary of the wrong length): said as they are
+            return None, f"{module.__name__}.TextVisualizer could not be made: {type(e).__name__}: {e}"
+    return None, f"{module.__name__}.TextVisualizer could not open its dictionary: {error}"
+
+
+@contextlib.contextmanager
+def _working_directory(folder: Path | None):
+    before = os.getcwd()
+    if folder is not None:
+        os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+@contextlib.contextmanager
+def threshold_zero(model):
+    """Every query through the model's own inference(): its score threshold at 0 for the block (None where the
+    model keeps it elsewhere: then its own threshold stays, and the served side uses the same)."""
+    name = next((a for a in THRESHOLD_ATTRS if isinstance(getattr(model, a, None), (int, float))), None)
+    if name is None:
+        yield None
+        return
+    kept = getattr(model, name)
+    setattr(model, name, 0.0)
+    try:
+        yield 0.0
+    finally:
+        setattr(model, name, kept)
+
+
+def check(built, model_path: Path, manifest, sizes) -> dict:
+    """The manifest's record of the served words against the model's own; raises ServedTextError where they
+    differ. `sizes`: [(h, w)] pictures (one each) to compare on."""
+    import torch
+
+    from d2export.charset import decode
+    from d2export.exporting import sessions
+    from d2export.runtime.predictor import Prepared, Processing
+    from d2export.tracing import dummy_images
+
+    post = manifest.postprocess
+    if "charset" not in post:
+        return {}
+    exact = manifest.precision == "float32"
+    ctc = post.get("text_decoding") == "ctc"
+    # which of its visualizer's readings the model's config asks for (DeepSolo: CTC; TESTR: TEXT_CTC), taken from
+    # that config, not from the manifest under check
+    own_ctc = built.family.postprocess(built.d2cfg).get("text_decoding") == "ctc"
+    reader, where = own_reader(built.model, built.d2cfg, own_ctc, built.model_folders)
+    if reader is None:
+        log.warning("served words not checked against the model's own reading: %s", where)
+        return {"checked": False, "reason": where}
+    chars = list(post["charset"])
+    processing = Processing(manifest)
+    session = sessions.session(model_path, built.cfg.verify.providers)
+    words = ties = 0
+    worst = 0.0
+    problems: list[str] = []
+    with threshold_zero(built.model) as threshold, torch.no_grad():
+        for (h, w), chw in zip(sizes, dummy_images(sizes, seed=4242)):
+            prepared = Prepared(chw, h, w)
+            own = built.model([{"image": torch.from_numpy(chw).to(built.device), "height": h, "width": w}])
+            own = own[0]["instances"].to("cpu")
+            outputs = dict(zip(processing.output_names, session.run(processing.output_names,
+                                                                     processing.feeds([prepared]))))
+            served = processing.postprocess(outputs, 0, prepared,
+                                            threshold if threshold is not None else None).instances
+            if len(served) != len(own) and exact:
+                problems.append(f"{h}x{w}: {len(served)} instances served, the model returns {len(own)}")
+                continue
+            probs = own.rec_scores.float().numpy() if own.has("rec_scores") else None
+            for k, (inst, ids, score) in enumerate(zip(served, own.recs.tolist(), own.scores.tolist())):
+                worst = max(worst, abs(inst.score - score))
+                own_word = reader(ids)
+                ours = decode(ids, chars, ctc=ctc, unknown=post.get("unknown_id"))
+                words += 1
+                if ours != own_word:
+                    problems.append(f"{h}x{w} query {k}: the model's own ids read {own_word!r} by its visualizer, "
+                                    f"{ours!r} by the manifest's charset and decoding")
+                elif inst.text != own_word:
+                    served_ids = outputs["char_ids"][0, k].tolist()
+                    if probs is not None and _tied(probs[k], ids, served_ids):
+                        ties += 1
+                    else:
+                        problems.append(f"{h}x{w} query {k}: served {inst.text!r}, the model reads {own_word!r}")
+    record = {"checked": True, "reader": where, "words": words, "near_ties": ties,
+              "max_score_error": float(worst), "score_atol": SCORE_ATOL}
+    if not exact:  # the words and scores of a reduced precision are its own verification's (its tolerances)
+        problems = [p for p in problems if "by the manifest's charset" in p]
+        record = {"checked": True, "reader": where, "words": words,
+                  "served_compared": f"no: a {manifest.precision} graph's characters and scores are held to its "
+                                     "own verification's tolerances; its reading rule is checked here"}
+    elif worst > SCORE_ATOL:
+        problems.append(f"served scores up to {worst:.2e} from the model's own (bound {SCORE_ATOL:g})")
+    if problems:
+        more = f"\n  … and {len(problems) - 8} more" if len(problems) > 8 else ""
+        raise ServedTextError(f"what is served is not what the model reads ({len(problems)} problem(s), reader "
+                              f"{where}):\n  " + "\n  ".join(problems[:8]) + more)
+    log.info("served words: %d equal the model's own reading (%s), %d near ties, scores within %.1e", words, where,
+             ties, worst)
+    return record
+
+
+def _tied(probs: np.ndarray, own_ids: list[int], served_ids: list[int]) -> bool:
+    """Every slot where the ids differ is a float tie in the model's own probabilities."""
+    return all(abs(float(p[a]) - float(p[b])) <= TIE for p, a, b in zip(probs, own_ids, served_ids) if a != b)
