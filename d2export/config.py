@@ -87,7 +87,8 @@ class ExportConfig:
                            "per-pixel work in the graph: semantic map, panoptic competition, instance top-k and masks)")
     lint: bool = opt(True, "check the graph for the dummy's size: TorchScript traced again at a second size, "
                            "constants that follow it flagged; torch.export: what its capture assumed of the sizes "
-                           "(minimums, conditions), read off it")
+                           "(minimums, conditions), read off it; false skips TorchScript's second trace only (the "
+                           "capture's reading costs nothing and the check below its minimums needs it)")
     fp16: bool = opt(False, "write a float16 graph (MSDA sampling, Softmax, Range … stay float32); verified with "
                      "verify.fp16_atol and top-K agreement")
     keep_io_types: bool = opt(True, "with fp16: the graph's float inputs and outputs stay float32 (false: "

@@ -173,7 +173,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
                 result = _export_by_route(cfg, built, staged_model, axes)
                 log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
                 _fault_point("exported")
-                lint = lint_export(built, staged_model, result, axes) if e.lint else None
+                lint = _lint(built, staged_model, result, axes)
             log.info("patches applied:\n%s", report)
             if lint is not None:
                 log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
@@ -202,6 +202,15 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
     _fault_point("done")
     progress.step(6, "done", f"{final} ({final.stat().st_size / 1e6:.1f} MB), manifest {manifest_path(final).name}")
     return manifest
+
+
+def _lint(built: Built, staged_model: Path, result, axes):
+    """The lint (None where there is none). Through torch.export it is read off the capture at no cost and gives the
+    minimums the verification checks below: it runs whatever `export.lint` says, else pictures under the minimums
+    would be served unchecked; `export.lint=false` skips TorchScript's second trace only."""
+    if built.cfg.export.lint or (axes is not None and result.size_assumptions is not None):
+        return lint_export(built, staged_model, result, axes)
+    return None
 
 
 def _export_by_route(cfg: D2ExportConfig, built: Built, staged_model: Path, axes):

@@ -123,6 +123,9 @@ def test_without_the_patch_the_function_does_not_export():
     from detrex.layers.dcn_v3 import DCNv3
 
     layer = DCNv3(channels=8, kernel_size=3, group=2).eval()
-    with pytest.raises(Exception), torch.no_grad(), warnings.catch_warnings():
+    # the compiled op's autograd Function reaches torch.onnx as a PythonOp it has no symbolic for: its converter fails
+    # looking the node's arguments up
+    with pytest.raises(IndexError, match=r"Argument passed to at\(\) was not in the map"), torch.no_grad(), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(layer, (torch.randn(1, 6, 6, 8),), io.BytesIO(), opset_version=17, dynamo=False)

@@ -274,9 +274,10 @@ def test_diagnose_command_on_a_plain_rcnn(capsys):
         assert path in out, path
 
 
-def test_a_ladder_that_cannot_run_leaves_the_verifications_verdict(monkeypatch, caplog):
-    """The ladder is a diagnosis run when verification fails: where it cannot run itself (through torch.export a
-    patch may turn a module's tensors into Python sizes), it says why, and the refusal keeps its own figures."""
+def test_a_ladder_that_crashes_is_an_error_beside_the_verifications_verdict(monkeypatch, caplog):
+    """The ladder is a diagnosis run when verification fails: where it crashes (through torch.export a patch may
+    turn a module's tensors into Python sizes), that is an error in the report, never a clean ladder, and the
+    refusal keeps its own figures."""
     from d2export.exporting import verifying
 
     def broken(built):
@@ -285,9 +286,12 @@ def test_a_ladder_that_cannot_run_leaves_the_verifications_verdict(monkeypatch, 
     monkeypatch.setattr(verifying, "ladder", broken)
     with caplog.at_level("WARNING", logger="d2export"):
         summary = verifying._ladder_summary(None)
-    assert summary["culprit"] is None and "did not call" in summary["error"]
-    assert verifying._culprit_line(summary) == ""
-    assert any("parity ladder: could not run" in r.getMessage() for r in caplog.records)
+    assert summary["culprit"] is None and summary["diverged"] is None and "did not call" in summary["error"]
+    assert verifying._culprit_line(summary) == (
+        "\nthe parity ladder crashed (no module compared): RuntimeError: the traced run did not call what the eager "
+        "probe did")
+    said = [r for r in caplog.records if "parity ladder" in r.getMessage()]
+    assert [r.levelname for r in said] == ["ERROR"] and "crashed" in said[0].getMessage()
 
 
 class LevelSizes(nn.Module):
@@ -322,5 +326,33 @@ def test_through_torch_export_a_rung_that_becomes_python_sizes_is_passed_over_an
                         dummy_images([(40, 56)]), {"56x40": dummy_images([(56, 40)], 5)})
     for case in report.cases:
         sizes = [r for r in case.rows if r.module == "sizes"]
-        assert [(r.ok, r.note) for r in sizes] == [(True, "Python values in the traced program")]
+        assert [(r.reached, r.ok, r.note) for r in sizes] == [(False, False, "Python values in the traced program")]
         assert (case.first.module, case.first.call) == ("head", 1)
+
+
+class Repeats(Toy):
+    """The head applied once per 32 px of width: TorchScript's trace unrolls the traced count of calls."""
+
+    def forward(self, images, image_sizes):
+        x = self.stem(images.float() / 255)
+        for _ in range(images.shape[-1] // 32):
+            x = x + self.head(x).mean(1, keepdim=True)
+        return x.mean((2, 3))
+
+
+def test_a_rung_the_graph_never_reached_is_shown_not_reached_not_ok():
+    """At a wider picture eager calls the head twice, the graph (traced at one call) once: the second call has no
+    tensor in the graph, so it is reported "not reached" (neither ok nor the graph's divergence), plainly."""
+    toy = Repeats().eval()
+    report = run_ladder(toy, SETTINGS, ladder.no_scope, dummy_images([(40, 56)]),
+                        {"40x70": dummy_images([(40, 70)], 5)})
+    at_export, wider = report.cases
+    assert not at_export.not_reached and not at_export.diverged
+    missed = [r for r in wider.rows if not r.reached]
+    assert [(r.module, r.call, r.ok, r.note) for r in missed] == [
+        (m, 1, False, "not in the graph") for m in ("head.0", "head.1", "head")]  # child before parent
+    assert wider.first is not None and wider.first.reached  # what diverged is a compared rung: the outputs
+    text = report.format(all_rows=True)
+    assert "== 40x70: DIVERGES, 3 rung(s) not reached" in text
+    assert any(line.startswith("head #1") and "not reached" in line for line in text.splitlines())
+    assert report.to_dict()["cases"][1]["not_reached"] == ["head.0 #1", "head.1 #1", "head #1"]

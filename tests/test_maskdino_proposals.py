@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from d2export.patching import apply_patches
 
@@ -97,14 +98,35 @@ def test_patched_proposals_equal_maskdinos_own(maskdino_modules, batch_hw):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
+DYNAMIC = ([{0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO, 3: torch.export.Dim.AUTO}] * 3,
+           {0: torch.export.Dim.AUTO})
+
+
+def test_without_the_patch_torch_export_cannot_capture_the_decoder(maskdino_modules):
+    """`sizes-as-tensor` alone: MaskDINO's own loop slices by the levels' sizes read back out of a tensor."""
+    feats, sizes = inputs([(320, 320), (256, 300)])
+    with apply_patches(target=None, only=["sizes-as-tensor"]) as report, \
+            pytest.raises(GuardOnDataDependentSymNode, match="data-dependent expression u[0-9]+"):
+        torch.export.export(Decoder(), (feats, sizes), dynamic_shapes=DYNAMIC, strict=False)
+    assert report["sizes-as-tensor"].hits == 1  # applied: what fails is the function's loop
+
+
+def test_without_sizes_as_tensor_the_capture_holds_at_the_traced_sizes_only(maskdino_modules):
+    """The patch alone: `torch.as_tensor` of the traced sizes makes them constants, so the capture succeeds but the
+    program is specialised to the traced picture: another size is refused."""
+    feats, sizes = inputs([(320, 320), (256, 300)])
+    with apply_patches(target=None, only=[PATCH]) as report:
+        program = torch.export.export(Decoder(), (feats, sizes), dynamic_shapes=DYNAMIC, strict=False)
+    assert report[PATCH].hits == 1
+    other, other_sizes = inputs([(333, 313)], seed=1)
+    with pytest.raises(AssertionError, match=r"Guard failed: features\[0\]\.size\(\)\[2\] == 40"):
+        program.module()(other, other_sizes)
+
+
 def test_torch_export_captures_the_decoder_only_with_the_patch(maskdino_modules):
     feats, sizes = inputs([(320, 320), (256, 300)])
-    dynamic = ([{0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO, 3: torch.export.Dim.AUTO}] * 3,
-               {0: torch.export.Dim.AUTO})
-    with pytest.raises(Exception, match="data-dependent|u[0-9]"):
-        torch.export.export(Decoder(), (feats, sizes), dynamic_shapes=dynamic, strict=False)
     with apply_patches(target=None, only=[PATCH, "sizes-as-tensor"]):
-        program = torch.export.export(Decoder(), (feats, sizes), dynamic_shapes=dynamic, strict=False)
+        program = torch.export.export(Decoder(), (feats, sizes), dynamic_shapes=DYNAMIC, strict=False)
     for batch_hw in ([(333, 313)], [(64, 480), (480, 64), (97, 129)]):
         other, other_sizes = inputs(batch_hw, seed=1)
         expected = Decoder()(other, other_sizes)

@@ -163,8 +163,9 @@ class Row:
     max_abs: float
     max_rel: float
     first_bad: list | None  # index of the first element past tolerance (C order)
-    ok: bool
+    ok: bool  # compared, and within tolerance
     note: str = ""
+    reached: bool = True  # False: the graph has no tensor for it, so nothing was compared (neither ok nor diverged)
 
     @property
     def label(self) -> str:
@@ -182,7 +183,11 @@ class CaseReport:
 
     @property
     def first(self) -> Row | None:
-        return next((r for r in self.rows if not r.ok), None)
+        return next((r for r in self.rows if r.reached and not r.ok), None)
+
+    @property
+    def not_reached(self) -> list[Row]:
+        return [r for r in self.rows if not r.reached]
 
     @property
     def diverged(self) -> bool:
@@ -254,7 +259,8 @@ class LadderReport:
         """A table per case: every row with all_rows, else up to the first divergence and three more."""
         out = []
         for case in self.cases:
-            out.append(f"== {case.name}: " + ("DIVERGES" if case.diverged else "clean")
+            missed = f", {len(case.not_reached)} rung(s) not reached" if case.not_reached else ""
+            out.append(f"== {case.name}: " + ("DIVERGES" if case.diverged else "clean") + missed
                        + f" (atol {self.atol:g}, rtol {self.rtol:g})")
             if case.error:
                 out.append(f"onnxruntime failed in {case.error_module or '?'}: {case.error}")
@@ -265,6 +271,9 @@ class LadderReport:
             width = max([len(r.label) for r in rows] + [6])
             out.append(f"{'module':<{width}} {'shape':<20} {'max abs':>9} {'max rel':>9}  first bad")
             for r in rows:
+                if not r.reached:
+                    out.append(f"{r.label:<{width}} {str(r.shape):<20} {'not reached':>19}  -  {r.note}")
+                    continue
                 first = "-" if r.first_bad is None else str(tuple(r.first_bad))
                 out.append(f"{r.label:<{width}} {str(r.shape):<20} {r.max_abs:>9.2g} {r.max_rel:>9.2g}  "
                            f"{first}{'  ' + r.note if r.note else ''}{'' if r.ok else '  <--'}")
@@ -283,6 +292,7 @@ class LadderReport:
         return {"diverged": culprit is not None, "culprit": None if culprit is None else asdict(culprit),
                 "cases": [{"name": c.name, "error": c.error, "error_module": c.error_module,
                            "first": None if c.first is None else asdict(c.first),
+                           "not_reached": [r.label for r in c.not_reached],
                            "ties": [asdict(p) for p in c.ties]} for c in self.cases]}
 
 
@@ -391,7 +401,7 @@ def _run_case(name, adapter, paths, graph_session, names, keys, images, report, 
         actual = graph.get((path, call, where))
         if actual is None:
             note = "Python values in the traced program" if (path, call, where) in untraced else "not in the graph"
-            case.rows.append(Row(path, call, part, list(expected.shape), 0.0, 0.0, None, True, note))
+            case.rows.append(Row(path, call, part, list(expected.shape), 0.0, 0.0, None, False, note, reached=False))
             continue
         max_abs, max_rel, first, ok = compare(expected, actual, *tolerance, max_mismatch)
         note = "" if expected.shape == actual.shape else f"onnx shape {list(actual.shape)}"

@@ -67,9 +67,10 @@ class LintReport:
         elif below.get("failed"):
             lines.append(f"lint: the graph answers differently below it (at {below['failed']}): the runtime pads "
                          "smaller pictures up to it")
-        elif below:
-            lines.append(f"lint: not tried below it (the model itself fails at {below['eager_fails']}): served as "
-                         "exported")
+        elif below:  # nothing tried: the model failed at the first size below, or no size below is 8 px or more
+            why = (f"the model itself fails at {below['eager_fails']}" if below.get("eager_fails")
+                   else "no size below it of 8 px or more")
+            lines.append(f"lint: not tried below it ({why}): served as exported")
         if self.never_one:
             lines.append(f"lint: traced as never 1 (the verification's cases at 1 decide): {', '.join(self.never_one)}")
         for c in self.size_dependent_constants[:20]:

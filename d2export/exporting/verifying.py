@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+import torch
 
 from d2export import progress
 from d2export.config import D2ExportConfig
@@ -172,21 +175,56 @@ def sizes_below(min_sizes: dict[str, int], dummy: Sequence[int], smallest: int =
     return list(zip(pad(heights, int(dummy[0])), pad(widths, int(dummy[1]))))
 
 
+# What a model's own code raises when a picture is too small for it (an assert on a level's size, torch's "selected
+# index k out of range" from a top-k over too few tokens, a shape mismatch): the kinds, and where they come from.
+SIZE_ERRORS = (AssertionError, RuntimeError, ValueError, IndexError)
+_NOT_THE_MODEL = (Path(__file__).resolve().parents[1],  # d2export itself
+                  *(Path(torch.__file__).resolve().parent / p for p in ("_dynamo", "fx", "export", "_export", "jit",
+                                                                        "onnx", "_subclasses")))  # torch's tracers
+
+
+def _innermost(e: BaseException) -> str:
+    """file:line of the innermost Python frame the exception passed through ('?' without a traceback)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+def model_size_error(e: BaseException) -> bool:
+    """Whether an exception from the eager reference is the model's own refusal of a size: one of SIZE_ERRORS (a
+    NotImplementedError is no size limit), raised where the innermost Python frame is the model's code or a library
+    it calls (an op raising in C++ counts at its Python caller), not d2export's nor torch's tracing machinery."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not isinstance(e, SIZE_ERRORS) or isinstance(e, NotImplementedError) or not frames:
+        return False
+    where = Path(frames[-1].filename).resolve()
+    return not any(where.is_relative_to(p) for p in _NOT_THE_MODEL)
+
+
 def check_below_minimums(subject: Subject, min_sizes: dict[str, int]) -> dict:
     """torch.export's minimums are what its capture assumed, not always what the graph needs: size-oblivious tracing
     asserts that no feature level is a single pixel, which an ONNX graph's broadcasting does not care about, while a
     branch on a size really is the dummy's. The graph against eager at sizes below them (`sizes_below`, one synthetic
     picture each, the float32 tolerances): `held` where it agrees at every one (the runtime then takes any size),
-    else the first size where it does not (`failed`: the runtime pads smaller pictures up to the minimums). A size
-    where the eager model itself fails ends the walk (`eager_fails`)."""
+    else the first size where it does not (`failed`: the runtime pads smaller pictures up to the minimums).
+
+    A size where the eager model refuses to run ends the walk (`eager_fails`) only when the refusal is the model's own
+    size error (`model_size_error`): one of SIZE_ERRORS (not a NotImplementedError) whose innermost frame is outside
+    d2export and outside torch's tracers. Any other exception (a TypeError, anything raised in d2export's own code)
+    fails the export with its message: it is no limit of the model's, and taking it as one would leave smaller
+    pictures served unverified."""
     built = subject.built
     cases, eager_fails = [], None
     for i, (h, w) in enumerate(sizes_below(min_sizes, built.cfg.export.dummy_sizes[0])):
         images = dummy_images([(h, w)], seed=2000 + 10 * i)
         try:
             expected = built.adapter.reference(images)
-        except Exception as e:  # noqa: BLE001 — the model's own limit, not the graph's
-            eager_fails = f"{h}x{w}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        except Exception as e:  # noqa: BLE001 — sorted just below: the model's own limit, or a failure
+            line = f"{h}x{w}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if not model_size_error(e):
+                raise RuntimeError(f"below torch.export's minimums {min_sizes}, the eager reference failed at {line} "
+                                   f"({_innermost(e)}): not one of the model's own size errors "
+                                   f"({', '.join(k.__name__ for k in SIZE_ERRORS)} raised in its code)") from e
+            eager_fails = line
             break
         cases.append(verify.Case(f"{h}x{w}", graph_inputs(built.adapter, images), expected, images))
     failed = None
@@ -204,8 +242,11 @@ def check_below_minimums(subject: Subject, min_sizes: dict[str, int]) -> dict:
 
 
 def _culprit_line(ladder_summary: dict) -> str:
-    """Where the parity ladder saw the graph diverge first, for a refusal ('' where no module diverges)."""
+    """Where the parity ladder saw the graph diverge first, or that it crashed, for a refusal ('' where it ran and
+    no module diverges)."""
     culprit = ladder_summary["culprit"]
+    if ladder_summary.get("error"):
+        return f"\nthe parity ladder crashed (no module compared): {ladder_summary['error']}"
     if culprit is None:
         return ""
     return (f"\nthe parity ladder's first diverging module: {culprit['module'] or ROOT} at {culprit['case']}, "
@@ -342,13 +383,14 @@ def ladder(built, sizes: Sequence[Sequence[int]] | None = None):
 
 
 def _ladder_summary(built) -> dict:
-    """The parity ladder run and logged: its report, as the manifest keeps it. A diagnosis: where it cannot run, it
-    says why and the verification's own verdict stands (its error must not stand in for a refusal's figures)."""
+    """The parity ladder run and logged: its report, as the manifest keeps it. A diagnosis: where it crashes, that is
+    an error in the report (logged as one, `error` in the summary, a line in a refusal), and the verification's own
+    verdict stands beside it (the crash must not stand in for a refusal's figures, nor read as a clean ladder)."""
     try:
         with progress.busy("parity ladder"):
             report = ladder(built)
     except Exception as e:  # noqa: BLE001
-        log.warning("parity ladder: could not run (%s: %s)", type(e).__name__, e)
+        log.error("parity ladder: crashed, no module compared (%s: %s)", type(e).__name__, e)
         return {"diverged": None, "culprit": None, "cases": [], "error": f"{type(e).__name__}: {e}"}
     log.log(logging.WARNING if report.culprit() else logging.INFO, "parity ladder:\n%s", report.format())
     return report.to_dict()

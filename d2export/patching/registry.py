@@ -8,8 +8,10 @@ A patch names what it replaces, why, and which targets need it (`Needs`). Four k
   it does not rewrite (counted as `deferred`, not as hits). Call sites that bound the name earlier
   (``from torch import inverse``) are caught only in modules named by ``apply_patches(rebind_in=...)``.
 - ``module=predicate`` (a class, a class name, or ``(name, module) -> bool``) with ``method="forward"``: every matching
-  submodule of the model gets an instance-level override of that method (a function taking ``self`` first), or, when
-  the replacement is an ``nn.Module`` subclass, its ``__class__`` swapped (weights stay; detectron2's trick).
+  submodule of the model gets that method replaced (a function taking ``self`` first), or, when the replacement is an
+  ``nn.Module`` subclass, its ``__class__`` swapped (weights stay; detectron2's trick). A class or class name is
+  patched on that class, so subclasses inherit the patch (and a `super()` call reaches it); a subclass that
+  overrides the method keeps its own, untouched. A predicate's matches get an instance-level override.
 - ``autograd="pkg.mod.SomeFunction"`` (or a predicate over classes): ``SomeFunction.apply`` is replaced. Aliases bound
   before the scope (``f = SomeFunction.apply``) are not caught.
 - ``graph=True``: a pass over the exported ``onnx.ModelProto`` returning how many nodes it rewrote; the export
@@ -308,16 +310,28 @@ class ModulePatch(Patch):
         if isinstance(self.match, type):
             return isinstance(module, self.match)
         if isinstance(self.match, str):
-            return any(self.match in (c.__name__, f"{c.__module__}.{c.__qualname__}") for c in type(module).__mro__)
+            return any(self.match in (c.__name__, _dotted(c)) for c in type(module).__mro__)
         return bool(self.match(name, module))
+
+    def named_class(self, module: Any) -> type | None:
+        """The class this patch names, as found in the module's class hierarchy (None for a predicate)."""
+        if isinstance(self.match, type):
+            return self.match
+        if isinstance(self.match, str):
+            return next(c for c in type(module).__mro__ if self.match in (c.__name__, _dotted(c)))
+        return None
 
     def apply(self, stack, record, scope):
         if scope.model is None:
             record.note = "no model given"
             return
-        swap = isinstance(self.replacement, type)
+        swap, patched, kept = isinstance(self.replacement, type), set(), []
         for name, module in list(scope.model.named_modules()):
             if not self.matches(name, module):
+                continue
+            named = self.named_class(module)
+            if named is not None and _overrides(type(module), named, self.method):
+                kept.append(type(module).__qualname__)  # the user's subclass's own method: theirs, not ours
                 continue
             record.sites += 1
             if swap:
@@ -325,10 +339,25 @@ class ModulePatch(Patch):
                 module.__class__ = self.replacement
                 handle = module.register_forward_pre_hook(lambda *_: setattr(record, "hits", record.hits + 1))
                 stack.callback(handle.remove)
-            else:
+            elif named is None or self.method in vars(module):  # a predicate, or an instance's own (an outer scope's)
                 original = getattr(module, self.method)
                 bound = functools.partial(self.replacement, module)
                 _set_attr(stack, module, self.method, _counted(bound, original, record))
+            elif named not in patched:  # once, on the class: its subclasses inherit it
+                patched.add(named)
+                _set_attr(stack, named, self.method, _counted(self.replacement, getattr(named, self.method), record))
+        if kept:
+            record.note = f"left alone (own {self.method}): {', '.join(sorted(set(kept)))}"
+
+
+def _dotted(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _overrides(cls: type, named: type, method: str) -> bool:
+    """Whether `cls` (a subclass of `named`) or a class between them defines `method` itself."""
+    mro = cls.__mro__
+    return any(method in vars(c) for c in mro[:mro.index(named)])
 
 
 def _subclasses(cls: type) -> Iterator[type]:
