@@ -372,6 +372,10 @@ def test_post_processing_in_the_graph_is_verified_and_serves_the_default_results
     names = [o.name for o in manifest.outputs]
     assert names[:2] == ["pred_logits", "pred_masks"] and "sem_seg" in names and "instance_masks" in names
     assert manifest.verification["passed"] and manifest.postprocess["in_graph"]
+    # what serving makes of the eager reference was held to the model's own three inference functions
+    own = manifest.verification["own_inference"]
+    assert own["checked"] and own["cases"] and all(c["semantic_pixels"] >= 0.999 and c["score_diff"] <= 1e-4
+                                                   for c in own["cases"].values())
     assert {c["output"] for c in manifest.verification["cases"]} >= {"sem_seg", "panoptic_query", "query_areas",
                                                                     "instance_scores", "instance_masks"}
     predictor = Predictor(tmp_path / manifest.model_file, threads=1)

@@ -16,7 +16,7 @@ import torch
 
 from d2export import progress
 from d2export.config import D2ExportConfig
-from d2export.exporting import pinning, sessions, verify
+from d2export.exporting import pinning, served_masks, sessions, verify
 from d2export.exporting.ladder import ROOT, run_ladder
 from d2export.exporting.onnx_export import export_scope, traced_sizes
 from d2export.exporting.pictures import picture_at, picture_files
@@ -74,6 +74,7 @@ def verification_cases(built) -> list[verify.Case]:
     files = picture_files(v.pictures, sum(map(len, groups)), "verify.pictures") if v.pictures else []
     turns = itertools.cycle(files)  # one picture a case's image, in turn
     pixel_format = built.family.preprocess(built.d2cfg)["input_format"]
+    own = served_masks.start(built.adapter)  # export.postprocess=graph: held to the model's own inference
     for i, group in progress.steps(list(enumerate(groups)), "eager references"):
         name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group) + (
             f" (pictures {i + 1})" if groups.count(group) > 1 else "")
@@ -83,7 +84,10 @@ def verification_cases(built) -> list[verify.Case]:
             name += f" ({'+'.join(f.name for f in used)})"
         else:
             images = dummy_images(group, seed=1000 + 10 * i)
-        cases.append(verify.Case(name, graph_inputs(built.adapter, images), built.adapter.reference(images), images))
+        expected = built.adapter.reference(images)
+        if own is not None:
+            served_masks.hold(built.adapter, expected, images, own)
+        cases.append(verify.Case(name, graph_inputs(built.adapter, images), expected, images))
     return cases
 
 

@@ -6,6 +6,13 @@ pixel decoder and a masked-attention transformer decoder), whose `forward` pads 
 in the graph to the model's `size_divisibility`, and returns what the head returns: per-query class logits and mask
 logits at a quarter of the padded size. `reference` is independent of it: the model's own forward on list[dict],
 with the head's outputs captured as the model hands them to its post-processing.
+
+With `export.postprocess=graph` the graph also holds each task's results (d2export/tracing/mask_results.py): their
+reference outputs are that same work on the head's captured outputs (what the graph is compared with, tensor by
+tensor, its near-ties pinned), and what serving makes of them (d2export/families/_masks.py `graph_prediction`) is
+held to what the model's own `semantic_inference`, `panoptic_inference` and `instance_inference` returned inside
+that forward (`own_results`; d2export/exporting/served_masks.py): a wrong rule in the traced code refuses the export
+instead of passing as its own reference.
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ class MaskFormerAdapter(DetrAdapter):
         self.prompt = None if task is None else f"The task is {task}"  # OneFormer's dataset mappers' words
         if self.prompt is not None:
             self.register_buffer("task_tokens", model.task_tokenizer(self.prompt).float()[None], False)
+        self.own_results = None  # what the model's own forward returned in the last `reference` call
 
     @property
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
@@ -72,10 +80,11 @@ class MaskFormerAdapter(DetrAdapter):
         hook = self.head.register_forward_hook(lambda m, args, out: seen.append(_outputs(out)))
         task = {} if self.prompt is None else {"task": self.prompt}
         try:
-            self.model([{"image": torch.from_numpy(np.ascontiguousarray(im)).float()} | task for im in images])
+            own = self.model([{"image": torch.from_numpy(np.ascontiguousarray(im)).float()} | task for im in images])
         finally:
             hook.remove()
         sizes = torch.tensor([im.shape[-2:] for im in images], dtype=torch.int64)
+        self.own_results = own  # its own inference's results: what served results are held to
         return [t.cpu().numpy() for t in self._named(seen[-1], sizes.to(seen[-1]["pred_logits"].device))]
 
 

@@ -1,0 +1,142 @@
+"""What a segmenter with `export.postprocess=graph` serves, held to the model's own inference: the results serving
+makes of the eager reference's in-graph outputs (families/_masks.py `graph_prediction`) against what the model's own
+`semantic_inference`, `panoptic_inference` and `instance_inference` returned inside the same forward (the adapter's
+`own_results`). The reference's tensors are d2export's traced rules (tracing/mask_results.py) run eagerly, so the
+graph is compared with them tensor by tensor, near ties pinned; this check is what keeps those rules upstream's: a
+wrong threshold, "no object" column or score rule refuses the export. Done once per verification case, before any
+near-tie pinning (a pinned rerun imposes the graph's ties, already judged float noise). A model without those
+methods is said so in the record (`own_inference`), never checked silently.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from d2export.exporting.verify import VerificationError
+
+log = logging.getLogger("d2export")
+
+# each task's own inference method on the model and the key of its result in the forward's output
+OWN_METHODS = {"semantic_on": ("semantic_inference", "sem_seg"),
+               "panoptic_on": ("panoptic_inference", "panoptic_seg"),
+               "instance_on": ("instance_inference", "instances")}
+# what serving must agree with the model's own inference on: float ties aside (the two sum in other orders), a
+# semantic map's pixels, each panoptic segment's pixels (IoU), each instance's mask (IoU) and score
+SEMANTIC_AGREEMENT = 0.999
+SEGMENT_IOU = 0.99
+MASK_IOU = 0.99
+SCORE_ATOL = 1e-4
+
+
+def start(adapter) -> dict | None:
+    """The verification record for an adapter with post-processing in its graph (None otherwise), kept on it as
+    `own_inference` for the manifest."""
+    post = getattr(adapter, "post", None)
+    if not post or "semantic_on" not in post:
+        return None
+    adapter.own_inference = own_methods(adapter.model, post)
+    return adapter.own_inference
+
+
+def hold(adapter, expected: list, images, record: dict) -> None:
+    """One case: the reference's outputs (`expected`, in the adapter's output order) served, against the model's
+    own results of that reference call."""
+    if record["checked"]:
+        held_to_own_inference(dict(zip(adapter.output_names, expected)), adapter.own_results,
+                              [im.shape[-2:] for im in images], adapter.post, record)
+
+
+def own_methods(model, post: dict) -> dict:
+    """The verification record of the served results' check against the model's own inference: which methods it
+    calls, or why there is no check (the model lacks them)."""
+    wanted = [method for task, (method, _) in OWN_METHODS.items() if post[task]]
+    missing = [m for m in wanted if not callable(getattr(model, m, None))]
+    if missing:
+        why = (f"{type(model).__name__} has no {', '.join(missing)}: the results of export.postprocess=graph are "
+               "verified against d2export's rules (tracing/mask_results.py) only, not the model's own inference")
+        log.warning("%s", why)
+        return {"checked": False, "methods": wanted, "missing": missing, "why": why}
+    return {"checked": True, "methods": wanted, "cases": {}}
+
+
+def held_to_own_inference(outputs: dict[str, np.ndarray], own: list[dict], sizes, post: dict, record: dict) -> None:
+    """What serving makes of the reference's in-graph outputs (`graph_prediction`, at each picture's own size) against
+    the model's own inference results of the same forward (`own`, list[dict] as MaskFormer.forward returns them at
+    the pictures' sizes); the figures go to `record["cases"]`, and a disagreement past the float ties refuses."""
+    from d2export.families._masks import graph_prediction
+
+    case = "+".join(f"{int(h)}x{int(w)}" for h, w in sizes)
+    figures, wrong = {}, []
+    for i, (hw, theirs) in enumerate(zip(sizes, own)):
+        served = graph_prediction(outputs, i, hw, hw, post)
+        seen, why = agreement(served, theirs, post)
+        for key, value in seen.items():  # counts summed over the batch, the other figures its worst
+            if key not in figures:
+                figures[key] = value
+            elif isinstance(value, list):
+                figures[key] = [a + b for a, b in zip(figures[key], value)]
+            else:
+                worst = min if key in ("semantic_pixels", "segment_iou", "mask_iou") else max
+                figures[key] = worst(figures[key], value)
+        wrong += why
+    record["cases"][case] = figures
+    if wrong:
+        raise VerificationError(
+            f"export.postprocess=graph at {case}: the results served from the in-graph post-processing differ from "
+            f"the model's own {', '.join(record['methods'])}: {'; '.join(wrong)}")
+
+
+def agreement(served, theirs: dict, post: dict) -> tuple[dict, list[str]]:
+    """A served Prediction against one picture's result of the model's own forward: (figures, what is wrong)."""
+    from d2export.instances import decode_mask
+
+    figures, wrong = {}, []
+    if post["semantic_on"]:
+        own = theirs["sem_seg"].argmax(0).cpu().numpy()
+        figures["semantic_pixels"] = float((served.semantic == own).mean())
+        if figures["semantic_pixels"] < SEMANTIC_AGREEMENT:
+            wrong.append(f"the semantic map agrees on {figures['semantic_pixels']:.4%} of pixels "
+                         f"(needs {SEMANTIC_AGREEMENT:.1%})")
+    if post["panoptic_on"]:
+        ids, segments = theirs["panoptic_seg"]
+        ids = ids.cpu().numpy()
+        mine = [(s.category_id, bool(s.isthing)) for s in served.segments]
+        figures["segments"] = [len(served.segments), len(segments)]
+        if mine != [(int(s["category_id"]), bool(s["isthing"])) for s in segments]:
+            theirs_ = [(s["category_id"], s["isthing"]) for s in segments]
+            wrong.append(f"segments (class, thing) {mine} served, {theirs_} the model's")
+        else:
+            ious = [_iou(served.panoptic == a.id, ids == b["id"]) for a, b in zip(served.segments, segments)]
+            figures["segment_iou"] = min(ious, default=1.0)
+            if figures["segment_iou"] < SEGMENT_IOU:
+                wrong.append(f"a segment's pixels overlap the model's by IoU {figures['segment_iou']:.4f} "
+                             f"(needs {SEGMENT_IOU})")
+    if post["instance_on"]:
+        inst = theirs["instances"]
+        own = list(zip(inst.pred_classes.tolist(), inst.scores.tolist(), inst.pred_masks.bool().cpu().numpy()))
+        figures["instances"] = [len(served.instances), len(own)]
+        score, iou, unmatched = 0.0, 1.0, 0
+        for found in served.instances:
+            mask = decode_mask(found.mask)
+            candidates = [j for j, (label, _, _) in enumerate(own) if label == found.label]
+            if not candidates:
+                unmatched += 1
+                continue
+            # upstream's top-k is unsorted: each served instance against the closest of the model's of its class
+            j = min(candidates, key=lambda c: (-_iou(mask, own[c][2]), abs(own[c][1] - found.score)))
+            score, iou = max(score, abs(own[j][1] - found.score)), min(iou, _iou(mask, own[j][2]))
+            own.pop(j)
+        figures |= {"score_diff": score, "mask_iou": iou}
+        if unmatched or own:
+            wrong.append(f"{len(served.instances)} instances served, {figures['instances'][1]} the model's "
+                         f"({unmatched + len(own)} without a counterpart of their class)")
+        if score > SCORE_ATOL or iou < MASK_IOU:
+            wrong.append(f"instance scores up to {score:.3g} off (within {SCORE_ATOL}), masks IoU down to {iou:.4f} "
+                         f"(needs {MASK_IOU})")
+    return figures, wrong
+
+
+def _iou(a: np.ndarray, b: np.ndarray) -> float:
+    union = np.count_nonzero(a | b)
+    return 1.0 if union == 0 else float(np.count_nonzero(a & b) / union)
