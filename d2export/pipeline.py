@@ -194,7 +194,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
             manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
             if cases:  # what users receive, against the model's own code (text spotters' words)
                 with stage("verify"):
-                    served = served_text.check(built, staged_model, manifest, verification_sizes(cfg)[:2])
+                    served = served_text.check(built, staged_model, manifest, _unpinned_pictures(cases, verification))
                 if served:
                     manifest = dataclasses.replace(manifest,
                                                    verification=manifest.verification | {"served_text": served})
@@ -205,6 +205,12 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
     _fault_point("done")
     progress.step(6, "done", f"{final} ({final.stat().st_size / 1e6:.1f} MB), manifest {manifest_path(final).name}")
     return manifest
+
+
+def _unpinned_pictures(cases, verification: dict, count: int = 2) -> list:
+    """The first `count` single-picture cases' pictures that verified without near-tied picks imposed."""
+    pinned = {p["case"] for p in verification.get("pinned", [])}
+    return [c.images[0] for c in cases if c.images and len(c.images) == 1 and c.name not in pinned][:count]
 
 
 def _lint(built: Built, staged_model: Path, result, axes):

@@ -79,19 +79,25 @@ def test_served_words_are_deepsolos_own_on_a_custom_dictionary(chinese_deepsolo)
     np.testing.assert_allclose([i.score for i in served.instances], own.scores.numpy(), atol=1e-4)
 
 
+def _pictures(sizes):
+    from d2export.tracing import dummy_images
+
+    return dummy_images(sizes, seed=4242)
+
+
 def _altered(manifest, **post):
     return dataclasses.replace(manifest, postprocess=manifest.postprocess | post)
 
 
 def test_a_charset_shifted_by_one_or_ctc_read_as_slots_is_refused(chinese_deepsolo):
     built, manifest, path = chinese_deepsolo
-    sizes = [(160, 224)]
+    pictures = _pictures([(160, 224)])
     shifted = manifest.postprocess["charset"][1:] + manifest.postprocess["charset"][:1]
     with pytest.raises(served_text.ServedTextError, match="by the manifest's charset and decoding"):
-        served_text.check(built, path, _altered(manifest, charset=shifted), sizes)
+        served_text.check(built, path, _altered(manifest, charset=shifted), pictures)
     with pytest.raises(served_text.ServedTextError, match="by the manifest's charset and decoding"):
-        served_text.check(built, path, _altered(manifest, text_decoding="slots"), sizes)
-    assert served_text.check(built, path, manifest, sizes)["words"] == 10  # the right one passes
+        served_text.check(built, path, _altered(manifest, text_decoding="slots"), pictures)
+    assert served_text.check(built, path, manifest, pictures)["words"] == 10  # the right one passes
 
 
 def test_testr_unknown_reads_as_its_visualizer_and_dropping_it_is_refused(tiny_export):
@@ -101,23 +107,21 @@ def test_testr_unknown_reads_as_its_visualizer_and_dropping_it_is_refused(tiny_e
     assert manifest.postprocess["unknown_id"] == 95 and manifest.postprocess["charset"][95] == "口"
     assert manifest.verification["served_text"]["checked"] is True
     built = pipeline.prepare(cfg)
-    sizes = [(160, 224), (224, 160)]
-    assert served_text.check(built, path, manifest, sizes)["words"] == 20
+    pictures = _pictures([(160, 224), (224, 160)])
+    assert served_text.check(built, path, manifest, pictures)["words"] == 20
     with torch.no_grad(), served_text.threshold_zero(built.model):
-        from d2export.tracing import dummy_images
-
-        ids = [r for chw in dummy_images(sizes, seed=4242)
+        ids = [r for chw in pictures
                for r in built.model([{"image": torch.from_numpy(chw)}])[0]["instances"].recs.tolist()]
     assert any(95 in r for r in ids)  # the rule is exercised: some slot reads "unknown"
     dropped = manifest.postprocess["charset"][:95]
     with pytest.raises(served_text.ServedTextError, match="query"):
-        served_text.check(built, path, _altered(manifest, charset=dropped), sizes)
+        served_text.check(built, path, _altered(manifest, charset=dropped), pictures)
 
 
 def test_without_the_models_visualizer_the_manifest_says_so(chinese_deepsolo, monkeypatch):
     built, manifest, path = chinese_deepsolo
     monkeypatch.setattr(served_text, "own_reader", lambda *a: (None, "deepsolo.utils.visualizer cannot be imported"))
-    record = served_text.check(built, path, manifest, [(160, 224)])
+    record = served_text.check(built, path, manifest, _pictures([(160, 224)]))
     assert record == {"checked": False, "reason": "deepsolo.utils.visualizer cannot be imported"}
 
 

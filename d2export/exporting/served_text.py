@@ -90,15 +90,16 @@ def threshold_zero(model):
         setattr(model, name, kept)
 
 
-def check(built, model_path: Path, manifest, sizes) -> dict:
+def check(built, model_path: Path, manifest, pictures) -> dict:
     """The manifest's record of the served words against the model's own; raises ServedTextError where they
-    differ. `sizes`: [(h, w)] pictures (one each) to compare on."""
+    differ. `pictures`: CHW uint8 pictures in the model's pixel format, each served alone at its own size (the
+    verification's, whose graph outputs matched eager's without near-tied picks imposed: a TopK tie between two
+    proposals would change whole instances, which the tensors' verification judges, not this)."""
     import torch
 
     from d2export.charset import decode
     from d2export.exporting import sessions
     from d2export.runtime.predictor import Prepared, Processing
-    from d2export.tracing import dummy_images
 
     post = manifest.postprocess
     if "charset" not in post:
@@ -119,7 +120,8 @@ def check(built, model_path: Path, manifest, sizes) -> dict:
     worst = 0.0
     problems: list[str] = []
     with threshold_zero(built.model) as threshold, torch.no_grad():
-        for (h, w), chw in zip(sizes, dummy_images(sizes, seed=4242)):
+        for chw in pictures:
+            h, w = chw.shape[-2:]
             prepared = Prepared(chw, h, w)
             own = built.model([{"image": torch.from_numpy(chw).to(built.device), "height": h, "width": w}])
             own = own[0]["instances"].to("cpu")

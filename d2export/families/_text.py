@@ -31,6 +31,12 @@ OUTPUT_KINDS = {"scores": "probabilities", "labels": "ids", "ctrl_points": "pixe
                 "char_ids": "ids", "char_scores": "probabilities", "text_logits": "logits"}
 
 
+def head_outputs(out) -> dict:
+    """The head's outputs dict: DNTextSpotter's head returns (outputs, denoising record), the record training's only
+    (None at inference); the others the dict alone."""
+    return out[0] if isinstance(out, tuple) else out
+
+
 def scores_labels(pred_logits):
     """[N, K, P, C] control-point logits → ([N, K] scores, [N, K] labels), as the models' inference() does."""
     return pred_logits.mean(-2).sigmoid().max(-1)

@@ -11,14 +11,16 @@ export.text_logits=true. Text reads as DeepSolo's own: runs of one character col
 from __future__ import annotations
 
 from d2export.families import AdapterOptions
-from d2export.families._text import TextSpotter, best_chars, scores_labels, text_postprocess, to_pixels
+from d2export.families._text import (TextSpotter, best_chars, head_outputs, scores_labels, text_postprocess,
+                                    to_pixels)
 
 HEAD = ("backbone", "transformer.init_points_from_bezier_proposals", "ctrl_point_class", "ctrl_point_coord",
         "ctrl_point_text")
 OUTPUTS = ("scores", "labels", "ctrl_points", "char_ids", "char_scores")
 
 
-def decode(out: dict, image_sizes, boundary: bool = True, text_logits: bool = False) -> tuple:
+def decode(out, image_sizes, boundary: bool = True, text_logits: bool = False) -> tuple:
+    out = head_outputs(out)
     scores, labels = scores_labels(out["pred_logits"])
     char_ids, char_scores = best_chars(out["pred_text_logits"])
     flat = (scores, labels, to_pixels(out["pred_ctrl_points"], image_sizes), char_ids, char_scores)
