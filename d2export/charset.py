@@ -31,6 +31,10 @@ class CharsetError(ValueError):
     """The model's character set cannot be read as its config names it (said in one line)."""
 
 
+class NoCharset(CharsetError):
+    """The config names no dictionary and VOC_SIZE has no built-in set (the model's own code may hold its table)."""
+
+
 @dataclass(frozen=True)
 class Charset:
     chars: tuple[str, ...]  # index → what the id reads as ("" for a blank)
@@ -100,7 +104,7 @@ def resolve(voc_size: int, named: list[tuple[str, str]], override: str | None = 
     if value is None or (built_in_first and not override and voc_size in BUILT_IN):
         if voc_size not in BUILT_IN:
             keys = " / ".join(k for k, _ in named) or "a dictionary key"
-            raise CharsetError(f"VOC_SIZE {voc_size} has no built-in character set and the config names no "
+            raise NoCharset(f"VOC_SIZE {voc_size} has no built-in character set and the config names no "
                                f"dictionary ({keys}): give the model's own with model.charset=FILE")
         chars = list(BUILT_IN[voc_size])
         return Charset(tuple(chars), f"built-in for VOC_SIZE {voc_size}: {len(chars)} characters")

@@ -79,7 +79,7 @@ def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
     log.info("model family: %s (%s)", family.name, family.summary)
     try:  # before anything is traced: a wrong dictionary is said now, not served as wrong words
         folders = charset_search(cfg.model, root)
-        charset = family.text_charset(d2cfg, cfg.model.charset, folders)
+        charset = family.text_charset(d2cfg, cfg.model.charset, folders, model)
     except CharsetError as e:
         raise building.UserError(f"the model's character set: {e}") from None
     if cfg.export.postprocess == "graph" and not family.postprocess_in_graph:

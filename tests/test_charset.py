@@ -126,3 +126,29 @@ def test_multi_code_point_entries_reach_the_manifest_as_a_list(tmp_path):
     found = resolve(4, [("MODEL.TRANSFORMER.CUSTOM_DICT", str(tmp_path / "map.json"))]).manifest()
     assert found["charset"] == ["x\u0313", "a", "3"]
     assert decode([0, 0, 4, 0, 1, 2], found["charset"], ctc=True) == "x\u0313x\u0313a3"
+
+
+def test_a_table_only_the_models_own_code_holds_is_read_from_its_visualizer(tmp_path, monkeypatch):
+    """MapTextPipeline's 148 symbols live only in its visualizer (CTLABELS for VOC_SIZE 148): read from there, in
+    its order, where the config names no dictionary; without a model the export is refused as before."""
+    package = tmp_path / "mapstand"
+    (package / "utils").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "utils" / "__init__.py").write_text("")
+    (package / "utils" / "visualizer.py").write_text(
+        "from detectron2.utils.visualizer import Visualizer\n"
+        "class TextVisualizer(Visualizer):\n"
+        "    def __init__(self, image, metadata, instance_mode, cfg):\n"
+        "        Visualizer.__init__(self, image, metadata, instance_mode=instance_mode)\n"
+        "        self.voc_size = cfg.MODEL.TRANSFORMER.VOC_SIZE\n"
+        "        if self.voc_size == 6:\n"
+        "            self.CTLABELS = [' ', '3', 'x', '\\u0313', 'r']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = type("TransformerPureDetector", (), {"__module__": "mapstand.modeling.text_spotter"})()
+    found = families.get("deepsolo").text_charset(deepsolo_cfg(6), None, (), model)
+    assert found["charset"] == [" ", "3", "x", "\u0313", "r"] or found["charset"] == " 3x\u0313r"
+    assert "mapstand.utils.visualizer.TextVisualizer.CTLABELS" in found["charset_source"]
+    with pytest.raises(CharsetError, match="no built-in character set"):
+        families.get("deepsolo").text_charset(deepsolo_cfg(6))
+    with pytest.raises(CharsetError, match="no built-in character set"):  # a table of another length is no answer
+        families.get("deepsolo").text_charset(deepsolo_cfg(7), None, (), model)

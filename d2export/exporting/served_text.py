@@ -15,14 +15,13 @@ Where the model's package has no visualizer to read with, the manifest says the 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
 from d2export.exporting.verify import VerificationError
+from d2export.families._text import own_visualizer
 
 log = logging.getLogger("d2export")
 
@@ -37,41 +36,13 @@ class ServedTextError(VerificationError):
 
 def own_reader(model, d2cfg, ctc: bool, search=()) -> tuple[object | None, str]:
     """The model's own id → word function (its visualizer's decoding method) and where it lives, or (None, why)."""
-    package = type(model).__module__.split(".")[0]
-    try:
-        module = importlib.import_module(f"{package}.utils.visualizer")
-    except ImportError as e:
-        return None, f"{package}.utils.visualizer cannot be imported ({e})"
-    visualizer = getattr(module, "TextVisualizer", None)
     method = "_ctc_decode_recognition" if ctc else "_decode_recognition"
-    if visualizer is None or not hasattr(visualizer, method):
-        return None, f"{module.__name__} has no TextVisualizer.{method}"
-    from detectron2.data import MetadataCatalog
-    from detectron2.utils.visualizer import ColorMode
-
-    error = None
-    for folder in [None, *search]:  # it opens a relative dictionary path from where its tools run
-        try:
-            with _working_directory(folder):
-                made = visualizer(np.zeros((8, 8, 3), np.uint8), MetadataCatalog.get("__unused"), ColorMode.IMAGE,
-                                  d2cfg)
-            return getattr(made, method), f"{module.__name__}.TextVisualizer.{method}"
-        except FileNotFoundError as e:
-            error = e
-        except Exception as e:  # noqa: BLE001 - its own checks (a dictionary of the wrong length): said as they are
-            return None, f"{module.__name__}.TextVisualizer could not be made: {type(e).__name__}: {e}"
-    return None, f"{module.__name__}.TextVisualizer could not open its dictionary: {error}"
-
-
-@contextlib.contextmanager
-def _working_directory(folder: Path | None):
-    before = os.getcwd()
-    if folder is not None:
-        os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(before)
+    made, where = own_visualizer(model, d2cfg, search)
+    if made is None:
+        return None, where
+    if not hasattr(made, method):
+        return None, f"{where} has no {method}"
+    return getattr(made, method), f"{where}.{method}"
 
 
 @contextlib.contextmanager

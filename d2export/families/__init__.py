@@ -93,10 +93,10 @@ class Family:
         """The manifest's post-processing section: what `instances` needs (threshold, charset, class names, …)."""
         return {}
 
-    def text_charset(self, cfg, override: str | None = None, search=()) -> dict[str, Any]:
+    def text_charset(self, cfg, override: str | None = None, search=(), model=None) -> dict[str, Any]:
         """The manifest's character set (`charset`, `charset_source`, `charset_sha256`) where the family reads text,
-        from the model's own config or `override` (model.charset); {} where it reads none. Raises
-        charset.CharsetError."""
+        from the model's own config or `override` (model.charset), else the table of the model's own code; {} where
+        it reads none. Raises charset.CharsetError."""
         return {}
 
     # serving side (numpy only) ------------------------------------------------------------------------------------

@@ -31,6 +31,40 @@ OUTPUT_KINDS = {"scores": "probabilities", "labels": "ids", "ctrl_points": "pixe
                 "char_ids": "ids", "char_scores": "probabilities", "text_logits": "logits"}
 
 
+def own_visualizer(model, d2cfg, search=()) -> tuple[Any, str]:
+    """The model's own `TextVisualizer` (`<package>.utils.visualizer`, the class its demo draws words with) made with
+    its config, and its dotted name; or (None, why). It opens a relative dictionary path from where its tools run:
+    the working directory, else each of `search`."""
+    import importlib
+    import os
+
+    package = type(model).__module__.split(".")[0]
+    try:
+        module = importlib.import_module(f"{package}.utils.visualizer")
+    except ImportError as e:
+        return None, f"{package}.utils.visualizer cannot be imported ({e})"
+    visualizer = getattr(module, "TextVisualizer", None)
+    if visualizer is None:
+        return None, f"{module.__name__} has no TextVisualizer"
+    from detectron2.data import MetadataCatalog
+    from detectron2.utils.visualizer import ColorMode
+
+    name, error, before = f"{module.__name__}.TextVisualizer", None, os.getcwd()
+    for folder in [None, *search]:
+        try:
+            if folder is not None:
+                os.chdir(folder)
+            return visualizer(np.zeros((8, 8, 3), np.uint8), MetadataCatalog.get("__unused"), ColorMode.IMAGE,
+                              d2cfg), name
+        except FileNotFoundError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - its own checks (a dictionary of the wrong length): said as they are
+            return None, f"{name} could not be made: {type(e).__name__}: {e}"
+        finally:
+            os.chdir(before)
+    return None, f"{name} could not open its dictionary: {error}"
+
+
 def head_outputs(out) -> dict:
     """The head's outputs dict: DNTextSpotter's head returns (outputs, denoising record), the record training's only
     (None at inference); the others the dict alone."""
@@ -146,14 +180,20 @@ class TextSpotter(Family):
     def missing(self, model):
         return lacks(model, self.head)
 
-    def text_charset(self, cfg, override=None, search=()):
+    def text_charset(self, cfg, override=None, search=(), model=None):
         from d2export import charset
 
         if not self.reads_text:
             return {}
         named = [(key, _config_value(cfg, key)) for key in self.charset_keys]
         voc_size = int(cfg.MODEL.TRANSFORMER.VOC_SIZE)
-        found = charset.resolve(voc_size, named, override, list(search), self.built_in_first)
+        try:
+            found = charset.resolve(voc_size, named, override, list(search), self.built_in_first)
+        except charset.NoCharset:
+            # a table only the model's own code holds (MapTextPipeline's 148 symbols, in its visualizer)
+            found = own_table(model, cfg, search, voc_size) if model is not None else None
+            if found is None:
+                raise
         if not self.unknown_reads:
             return found.manifest()
         return charset.Charset(found.chars + (self.unknown_reads,), found.source).manifest() | {
@@ -181,3 +221,16 @@ def _config_value(cfg, dotted: str) -> str:
             return ""
         node = node[part]
     return str(node or "")
+
+
+def own_table(model, cfg, search, voc_size: int):
+    """The character table of the model's own visualizer (`CTLABELS`: characters or code points), where it has
+    `voc_size - 1` of them; else None."""
+    from d2export import charset
+
+    made, where = own_visualizer(model, cfg, search)
+    table = getattr(made, "CTLABELS", None)
+    if table is None or len(table) != voc_size - 1:
+        return None
+    chars = tuple(chr(c) if isinstance(c, int) else str(c) for c in table)
+    return charset.Charset(chars, f"{where}.CTLABELS (the model's own table for VOC_SIZE {voc_size})")
