@@ -112,7 +112,8 @@ class ExportConfig:
 class VerifyConfig:
     enabled: bool = opt(True, "compare onnxruntime with eager PyTorch before writing anything")
     sizes: List[List[int]] = opt(factory=list, help="[height, width] checked one by one; empty: the dummy size, its "
-                                 "transpose, a non-square pair and an odd size")
+                                 "transpose, a non-square pair and an odd size (rounded up to the least multiple "
+                                 "of 8..128 the model's own code runs at, where it refuses them)")
     batch: bool = opt(True, "also a batch of two images of different sizes")
     pictures: str = opt("", "the cases' pictures: a folder (`d2export synth` writes one) or a registered dataset, "
                         "one picture a case, each stretched to the case's size; empty: synthetic pictures (bars, "

@@ -30,15 +30,19 @@ def resize_shortest_edge(image: np.ndarray, min_size: int, max_size: int) -> np.
 
 
 def pad_batch(images: Sequence[np.ndarray], fixed: tuple[int, int, int] | None = None,
-              minimum: Sequence[int] = (0, 0)) -> tuple[np.ndarray, np.ndarray]:
+              minimum: Sequence[int] = (0, 0), divisibility: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """CHW images of any sizes → (images [N, C, Hmax, Wmax] zero-padded bottom/right, image_sizes [N, 2] int64).
     `fixed` (N, H, W): a fixed-size graph's batch and size, padded to it; rows beyond the images are blank, with the
-    first image's size (their outputs are not read). `minimum` (H, W): the least size the graph takes, padded up to."""
+    first image's size (their outputs are not read). `minimum` (H, W): the least size the graph takes, padded up to.
+    `divisibility`: Hmax and Wmax then up to its multiples (a model whose own code runs only there), as detectron2's
+    ImageList pads to its size_divisibility; image_sizes keep each image's own size."""
     if not images:
         raise ValueError("empty batch")
     n = len(images)
     hmax = max([minimum[0]] + [im.shape[1] for im in images])
     wmax = max([minimum[1]] + [im.shape[2] for im in images])
+    if divisibility > 1:
+        hmax, wmax = (-(-v // divisibility) * divisibility for v in (hmax, wmax))
     if fixed:
         if n > fixed[0] or hmax > fixed[1] or wmax > fixed[2]:
             raise ValueError(f"{n} picture(s) of up to {hmax}x{wmax} do not fit this graph's fixed batch of "

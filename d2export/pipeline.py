@@ -54,6 +54,10 @@ class Built:
     device: str = "cpu"  # where the model runs (export.device resolved)
     charset: dict = field(default_factory=dict)  # the manifest's character set, where the family reads text
     model_folders: list = field(default_factory=list)  # where the model's relative files may lie (charset_search)
+    # where the model's own code runs only at multiples of a size (verifying.verification_cases finds it): that
+    # multiple (0: any size), and which verification sizes were chosen and why
+    size_divisibility: int = 0
+    size_choice: dict = field(default_factory=dict)
 
 
 def prepare(cfg: D2ExportConfig, root: Path | None = None) -> Built:
@@ -259,11 +263,12 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
         outputs=_documented(graph_specs(graph.output), built.family.output_docs),
         opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
         precision="int8" if e.int8 else "float16" if e.fp16 else "float32",
-        preprocess=built.family.preprocess(built.d2cfg) | _min_input_size(lint),
+        preprocess=built.family.preprocess(built.d2cfg) | _min_input_size(lint) | _size_divisibility(built),
         postprocess=built.family.postprocess(built.d2cfg) | built.charset
         | ({"in_graph": True} if e.postprocess == "graph" else {}),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
-        verification=verification | ({"lint": lint.to_dict()} if lint else {}),
+        verification=verification | ({"lint": lint.to_dict()} if lint else {})
+        | ({"sizes_chosen": built.size_choice} if built.size_choice else {}),
         export_seconds=round(time.perf_counter() - started, 2), weights=built.weights,
     )
     embed_manifest(model, manifest)  # the essentials also inside the model, before its hash is taken
@@ -275,6 +280,12 @@ def _min_input_size(lint) -> dict:
     differently below (the runtime pads smaller pictures up to it, as detectron2 pads a batch)."""
     least = lint.serve_from if lint is not None else {}
     return {"min_input_size": [least.get("height", 0), least.get("width", 0)]} if least else {}
+
+
+def _size_divisibility(built: Built) -> dict:
+    """Where the model's own code runs only at multiples of a size (found at verification): the runtime pads each
+    picture's input up to them, as detectron2's ImageList pads to its size_divisibility."""
+    return {"size_divisibility": built.size_divisibility} if built.size_divisibility else {}
 
 
 def _documented(specs: list, docs: dict[str, str]) -> list:

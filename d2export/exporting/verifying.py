@@ -21,6 +21,7 @@ from d2export.exporting.ladder import ROOT, run_ladder
 from d2export.exporting.onnx_export import export_scope, traced_sizes
 from d2export.exporting.pictures import picture_at, picture_files
 from d2export.manifest import Manifest, graph_specs
+from d2export.stages import describe
 from d2export.tracing import dummy_images, graph_inputs
 
 log = logging.getLogger("d2export")
@@ -42,9 +43,11 @@ class Subject:
 
 
 # ------------------------------------------------------------------------------------------- what is verified, how
-def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
+def verification_sizes(cfg: D2ExportConfig, divisibility: int = 0) -> list[tuple[int, int]]:
     """The dummy size, its transpose, a non-square size and its transpose (same token count, other aspect ratio —
-    where a baked shape goes silently wrong), and an odd size; or what the config lists; a fixed-size graph's own."""
+    where a baked shape goes silently wrong), and an odd size; or what the config lists; a fixed-size graph's own.
+    `divisibility` (a model whose own code runs only at multiples of it, `size_divisibility`): the defaults rounded up
+    to its multiples, as the runtime pads pictures."""
     if cfg.verify.sizes:
         return [tuple(s) for s in cfg.verify.sizes]
     if not cfg.export.dynamic:  # the graph takes no other
@@ -53,14 +56,90 @@ def verification_sizes(cfg: D2ExportConfig) -> list[tuple[int, int]]:
     r = lambda v: max(64, int(round(v / 16)) * 16)  # noqa: E731
     c = (r(h * 0.8), r(w * 1.25))
     candidates = [(h, w), (w, h), c, (c[1], c[0]), (h + 13, w - 7)]
-    return list(dict.fromkeys(candidates))
+    return rounded_up(candidates, divisibility) if divisibility else list(dict.fromkeys(candidates))
+
+
+# the multiples a model's own code may need its input in (ViTAEv2: 32, the product of its strides), least first
+DIVISIBILITIES = (8, 16, 32, 64, 128)
+
+
+def rounded_up(sizes: Sequence[Sequence[int]], divisibility: int) -> list[tuple[int, int]]:
+    """Each (height, width) up to multiples of `divisibility` (where the runtime pads it to), duplicates dropped:
+    rounding both axes alike keeps transposes transposes."""
+    up = lambda v: -(-int(v) // divisibility) * divisibility  # noqa: E731
+    return list(dict.fromkeys((up(h), up(w)) for h, w in sizes))
+
+
+class _RefusedAt(Exception):
+    """The eager reference refused a case's size with the model's own size error (`model_size_error`)."""
+
+    def __init__(self, group: list[tuple[int, int]], error: BaseException):
+        super().__init__(str(error))
+        self.group, self.error = group, error
 
 
 def verification_cases(built) -> list[verify.Case]:
+    """The cases at the verification sizes (`_cases_at`). Where the model's own code refuses one of the default
+    sizes with its own size error (ViTAEv2 runs only at multiples of 32), the least of DIVISIBILITIES it runs at is
+    found, the cases are made at the sizes rounded up to it, and `built.size_divisibility` says it (the manifest
+    records it and the runtime pads pictures to it; `built.size_choice`: which sizes, and why). Sizes the user gave
+    (`verify.sizes`) are checked as given: one the model refuses stays an error, as does any other failure, and a
+    refusal no divisibility cures (the model's own error, raised again)."""
+    defaults = sizes = verification_sizes(built.cfg)
+    searching = built.cfg.export.dynamic and not built.cfg.verify.sizes
+    divisibility, first = 0, None
+    while True:
+        try:
+            cases = _cases_at(built, sizes, refusal=searching)
+            break
+        except _RefusedAt as refused:
+            first = first or refused
+            divisibility = _divisibility(built, refused.group, divisibility, first.error)
+            sizes = verification_sizes(built.cfg, divisibility)
+    built.size_divisibility, built.size_choice = divisibility, {}
+    if divisibility:
+        (h, w), e = first.group[0], first.error
+        said = describe(e) or f"{type(e).__name__}: {_first_line(e)} ({_innermost(e)})"
+        why = f"the model's own code refuses {h}x{w} ({said}) and runs at multiples of {divisibility}"
+        log.warning("verification sizes %s, not %s: %s; served pictures are padded to multiples of %d",
+                    _listed(sizes), _listed(defaults), why, divisibility)
+        built.size_choice = {"size_divisibility": divisibility, "sizes": [list(s) for s in sizes],
+                             "defaults": [list(s) for s in defaults], "why": why}
+    return cases
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else ""
+
+
+def _listed(sizes) -> str:
+    return ", ".join(f"{h}x{w}" for h, w in sizes)
+
+
+def _divisibility(built, group: list[tuple[int, int]], above: int, error: BaseException) -> int:
+    """The least of DIVISIBILITIES above `above` at whose multiples the model's own code runs the refused `group`
+    (one eager run each: cheap; the other sizes are held to it when the cases are made, and a refusal there asks
+    again from it). Raises the model's own first `error` where none does."""
+    for d in (d for d in DIVISIBILITIES if d > above):
+        probe = rounded_up(group, d)
+        if probe == rounded_up(group, above or 1):  # the same sizes that were just refused
+            continue
+        try:
+            built.adapter.reference(dummy_images(probe, seed=3000))
+            return d
+        except Exception as e:  # noqa: BLE001 — the model's size error: the next multiple; anything else raised
+            if not model_size_error(e):
+                raise
+    log.error("the model's own code refuses %s at multiples of %s too: no size divisibility makes it run",
+              _listed(group), ", ".join(map(str, DIVISIBILITIES)))
+    raise error
+
+
+def _cases_at(built, sizes: list[tuple[int, int]], refusal: bool = False) -> list[verify.Case]:
     """One case per verification size (and a batch of two where the graph takes one), with eager's outputs: computed
     before any export-time patch, they are the independent side. The pictures are synthetic (bars, strokes, noise),
-    or with `verify.pictures` the model's own, one after another, each stretched to its case's size."""
-    sizes = verification_sizes(built.cfg)
+    or with `verify.pictures` the model's own, one after another, each stretched to its case's size. `refusal`: a
+    size the model's own code refuses raises _RefusedAt (the caller looks for the sizes it takes)."""
     groups: list[list[tuple[int, int]]] = [[s] for s in sizes]
     if not built.cfg.export.dynamic and not built.cfg.verify.sizes:
         # a fixed-size graph takes the traced batch and size only: other pictures of that shape, twice
@@ -84,7 +163,12 @@ def verification_cases(built) -> list[verify.Case]:
             name += f" ({'+'.join(f.name for f in used)})"
         else:
             images = dummy_images(group, seed=1000 + 10 * i)
-        expected = built.adapter.reference(images)
+        try:
+            expected = built.adapter.reference(images)
+        except Exception as e:  # noqa: BLE001 — the model's own size limit is looked into; anything else raised
+            if refusal and model_size_error(e):
+                raise _RefusedAt(group, e) from e
+            raise
         if own is not None:
             served_masks.hold(built.adapter, expected, images, own)
         cases.append(verify.Case(name, graph_inputs(built.adapter, images), expected, images))
@@ -322,9 +406,12 @@ def _picture_feeds(built, path: Path):
 
     e = built.cfg.export
     graph = onnx.load(str(path), load_external_data=False).graph
+    preprocess = built.family.preprocess(built.d2cfg)
+    if getattr(built, "size_divisibility", 0):  # the model runs only at its multiples: padded as when served
+        preprocess["size_divisibility"] = built.size_divisibility
     processing = Processing(Manifest(model_file=path.name, family=built.family.name, inputs=graph_specs(graph.input),
                                      outputs=graph_specs(graph.output), opset=e.opset or 0, exporter=e.exporter,
-                                     preprocess=built.family.preprocess(built.d2cfg)))
+                                     preprocess=preprocess))
     return lambda picture: processing.feeds([processing.prepare(picture, "RGB")])
 
 
@@ -377,7 +464,7 @@ def ladder(built, sizes: Sequence[Sequence[int]] | None = None):
     scope, the export's dummy input first, then one image per size (the verification sizes by default). Call it with
     no export scope open: it opens its own around a throwaway export."""
     cfg, tol = built.cfg, float32_tolerances(built.cfg)
-    sizes = [tuple(s) for s in (sizes or verification_sizes(cfg))]
+    sizes = [tuple(s) for s in (sizes or verification_sizes(cfg, getattr(built, "size_divisibility", 0)))]
     cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
     return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
                       dummy_images(traced_sizes(cfg, built.adapter.batchable), cfg.model.seed), cases,

@@ -164,6 +164,8 @@ class Processing:
             isinstance(d, int) for d in shape[:1] + shape[2:4]) else None
         # where torch.export narrowed the graph to a least size and it answered differently below (the export's lint)
         self.min_input_size = tuple(int(v) for v in pre.get("min_input_size", (0, 0)))
+        # where the model's own code runs only at multiples of a size (found at export): each batch padded up to them
+        self.size_divisibility = int(pre.get("size_divisibility", 0))
         if self.fixed:
             side = min(self.fixed[1:])
             self.min_size, self.max_size = min(self.min_size or side, side), min(self.max_size or side, side)
@@ -194,7 +196,7 @@ class Processing:
         if self.max_batch and len(prepared) > self.max_batch:
             raise ValueError(f"this graph takes at most {self.max_batch} picture(s) per run (its input batch is fixed; "
                              "predict_batch splits larger batches)")
-        images, sizes = pad_batch([p.chw for p in prepared], self.fixed, self.min_input_size)
+        images, sizes = pad_batch([p.chw for p in prepared], self.fixed, self.min_input_size, self.size_divisibility)
         feeds = {"images": images, "image_sizes": sizes}
         return {name: feeds[name].astype(dtype, copy=False) for name, dtype in self.input_dtypes.items()}
 
