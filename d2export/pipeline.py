@@ -185,7 +185,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
                 subject = verifying.Subject(built, staged_model, cases)
                 verification = (verifying.verify_float32(subject) if cases
                                 else {"passed": None}) | {"device": built.device}  # where the references ran
-                own = getattr(adapter, "own_inference", None)  # export.postprocess=graph: the model's own inference
+                own = getattr(adapter, "own_inference", None)  # segmenters: served results vs own inference
                 if own is not None and cases:
                     verification["own_inference"] = own
                 if lint is not None and lint.min_sizes and cases:

@@ -213,13 +213,13 @@ def trained_head(graph_built):
     hook.remove()
 
 
-def _held(adapter) -> dict:
+def _held(built) -> dict:
     """One verification case's reference, held to the model's own inference as verification holds it."""
     from d2export.exporting import served_masks
 
-    record = served_masks.start(adapter)
+    record = served_masks.start(built)
     pictures = _pictures()
-    served_masks.hold(adapter, adapter.reference(pictures), pictures, record)
+    served_masks.hold(built, built.adapter.reference(pictures), pictures, record)
     return record
 
 
@@ -227,7 +227,7 @@ def _held(adapter) -> dict:
 def test_the_reference_is_held_to_the_models_own_inference(graph_built, head, request):
     if head == "trained":
         request.getfixturevalue("trained_head")
-    record = _held(graph_built.adapter)
+    record = _held(graph_built)
     assert record["checked"] and record["methods"] == ["semantic_inference", "panoptic_inference",
                                                        "instance_inference"]
     seen = record["cases"]["128x160+100x150"]
@@ -248,7 +248,7 @@ def test_an_altered_rule_in_the_graph_is_refused_by_its_reference(graph_built, t
     else:
         alter(monkeypatch, "graph", rule)
     with pytest.raises(VerificationError, match="differ from the model's own semantic_inference"):
-        _held(graph_built.adapter)
+        _held(graph_built)
 
 
 def test_a_model_without_its_own_inference_says_so():

@@ -1,11 +1,13 @@
-"""What a segmenter with `export.postprocess=graph` serves, held to the model's own inference: the results serving
-makes of the eager reference's in-graph outputs (families/_masks.py `graph_prediction`) against what the model's own
+"""What a segmenter serves, held to the model's own inference: per verification case, the results serving makes of
+the eager reference's outputs (the family's `prediction`, as the runtime calls it with the manifest's postprocess
+section: families/_masks.py `mask_prediction` on the head's `pred_logits` and `pred_masks` by default,
+`graph_prediction` on the in-graph results with `export.postprocess=graph`) against what the model's own
 `semantic_inference`, `panoptic_inference` and `instance_inference` returned inside the same forward (the adapter's
-`own_results`). The reference's tensors are d2export's traced rules (tracing/mask_results.py) run eagerly, so the
-graph is compared with them tensor by tensor, near ties pinned; this check is what keeps those rules upstream's: a
-wrong threshold, "no object" column or score rule refuses the export. Done once per verification case, before any
-near-tie pinning (a pinned rerun imposes the graph's ties, already judged float noise). A model without those
-methods is said so in the record (`own_inference`), never checked silently.
+`own_results`). The graph is compared with the reference tensor by tensor; this check is what keeps d2export's
+serving rules (the numpy ones and, in the graph, tracing/mask_results.py) the model's own: a wrong threshold,
+"no object" column or score rule refuses the export. Done once per verification case, before any near-tie pinning
+(a pinned rerun imposes the graph's ties, already judged float noise). A model without those methods is said so in
+the record (`own_inference`), never checked silently.
 """
 from __future__ import annotations
 
@@ -24,27 +26,42 @@ OWN_METHODS = {"semantic_on": ("semantic_inference", "sem_seg"),
 # what serving must agree with the model's own inference on: float ties aside (the two sum in other orders), a
 # semantic map's pixels, each panoptic segment's pixels (IoU), each instance's mask (IoU) and score
 SEMANTIC_AGREEMENT = 0.999
+SEMANTIC_TIE = 1e-5  # relative: float32 sums of a few hundred queries' products in another order differ by ~1e-6
 SEGMENT_IOU = 0.99
 MASK_IOU = 0.99
 SCORE_ATOL = 1e-4
 
 
-def start(adapter) -> dict | None:
-    """The verification record for an adapter with post-processing in its graph (None otherwise), kept on it as
-    `own_inference` for the manifest."""
-    post = getattr(adapter, "post", None)
-    if not post or "semantic_on" not in post:
+def start(built) -> dict | None:
+    """The verification record of a mask-classification model's served results (None for other adapters), kept on
+    its adapter as `own_inference` for the manifest."""
+    post = served_post(built)
+    if post is None:
         return None
-    adapter.own_inference = own_methods(adapter.model, post)
-    return adapter.own_inference
+    built.adapter.own_inference = own_methods(built.adapter.model, post) | {
+        "postprocess": "graph" if post.get("in_graph") else "served"}
+    return built.adapter.own_inference
 
 
-def hold(adapter, expected: list, images, record: dict) -> None:
-    """One case: the reference's outputs (`expected`, in the adapter's output order) served, against the model's
-    own results of that reference call."""
+def served_post(built) -> dict | None:
+    """The postprocess section serving reads (the manifest's, `in_graph` where export.postprocess=graph), or None
+    where the adapter is no MaskFormer-style one (nothing of the kind to hold)."""
+    if not hasattr(built.adapter, "own_results"):
+        return None
+    post = built.family.postprocess(built.d2cfg)
+    if "semantic_on" not in post:
+        return None
+    return post | ({"in_graph": True} if getattr(built.adapter, "post", None) else {})
+
+
+def hold(built, expected: list, images, record: dict) -> None:
+    """One case: the reference's outputs (`expected`, in the adapter's output order) served as the runtime serves
+    them (the family's `prediction`), against the model's own results of that reference call."""
+    adapter = built.adapter
     if record["checked"]:
         held_to_own_inference(dict(zip(adapter.output_names, expected)), adapter.own_results,
-                              [im.shape[-2:] for im in images], adapter.post, record)
+                              [im.shape[-2:] for im in images], served_post(built), record,
+                              built.family.prediction)
 
 
 def own_methods(model, post: dict) -> dict:
@@ -53,23 +70,24 @@ def own_methods(model, post: dict) -> dict:
     wanted = [method for task, (method, _) in OWN_METHODS.items() if post[task]]
     missing = [m for m in wanted if not callable(getattr(model, m, None))]
     if missing:
-        why = (f"{type(model).__name__} has no {', '.join(missing)}: the results of export.postprocess=graph are "
-               "verified against d2export's rules (tracing/mask_results.py) only, not the model's own inference")
+        why = (f"{type(model).__name__} has no {', '.join(missing)}: its served results are verified against "
+               "d2export's rules only, not the model's own inference")
         log.warning("%s", why)
         return {"checked": False, "methods": wanted, "missing": missing, "why": why}
     return {"checked": True, "methods": wanted, "cases": {}}
 
 
-def held_to_own_inference(outputs: dict[str, np.ndarray], own: list[dict], sizes, post: dict, record: dict) -> None:
-    """What serving makes of the reference's in-graph outputs (`graph_prediction`, at each picture's own size) against
-    the model's own inference results of the same forward (`own`, list[dict] as MaskFormer.forward returns them at
-    the pictures' sizes); the figures go to `record["cases"]`, and a disagreement past the float ties refuses."""
-    from d2export.families._masks import graph_prediction
-
+def held_to_own_inference(outputs: dict[str, np.ndarray], own: list[dict], sizes, post: dict, record: dict,
+                          predict) -> None:
+    """What serving makes of the reference's outputs (`predict`: the family's `prediction`, at each picture's own
+    size) against the model's own inference results of the same forward (`own`, list[dict] as MaskFormer.forward
+    returns them at the pictures' sizes); the figures go to `record["cases"]`, and a disagreement past the float
+    ties refuses."""
     case = "+".join(f"{int(h)}x{int(w)}" for h, w in sizes)
     figures, wrong = {}, []
     for i, (hw, theirs) in enumerate(zip(sizes, own)):
-        served = graph_prediction(outputs, i, hw, hw, post)
+        hw = tuple(map(int, hw))
+        served = predict(outputs, i, hw, hw, post, 0.0)  # every instance, as upstream keeps them all
         seen, why = agreement(served, theirs, post)
         for key, value in seen.items():  # counts summed over the batch, the other figures its worst
             if key not in figures:
@@ -77,13 +95,14 @@ def held_to_own_inference(outputs: dict[str, np.ndarray], own: list[dict], sizes
             elif isinstance(value, list):
                 figures[key] = [a + b for a, b in zip(figures[key], value)]
             else:
-                worst = min if key in ("semantic_pixels", "segment_iou", "mask_iou") else max
+                worst = min if key in ("semantic_pixels", "segment_iou", "mask_iou") else max  # semantic_tied: the most
                 figures[key] = worst(figures[key], value)
         wrong += why
     record["cases"][case] = figures
     if wrong:
+        how = "the in-graph post-processing" if post.get("in_graph") else "the head's outputs (served rules)"
         raise VerificationError(
-            f"export.postprocess=graph at {case}: the results served from the in-graph post-processing differ from "
+            f"served results at {case}: the results served from {how} differ from "
             f"the model's own {', '.join(record['methods'])}: {'; '.join(wrong)}")
 
 
@@ -93,10 +112,17 @@ def agreement(served, theirs: dict, post: dict) -> tuple[dict, list[str]]:
 
     figures, wrong = {}, []
     if post["semantic_on"]:
-        own = theirs["sem_seg"].argmax(0).cpu().numpy()
-        figures["semantic_pixels"] = float((served.semantic == own).mean())
-        if figures["semantic_pixels"] < SEMANTIC_AGREEMENT:
-            wrong.append(f"the semantic map agrees on {figures['semantic_pixels']:.4%} of pixels "
+        scores = theirs["sem_seg"].float().cpu().numpy()  # [K, H, W]
+        best = scores.max(0)
+        same = served.semantic == scores.argmax(0)
+        # a class the model's own scores give its best to float rounding is as right (saturated sigmoids make exact
+        # ties: MaskDINO's seeded heads tie classes at 1.0, its sums then differ in their last bits only)
+        mine = np.take_along_axis(scores, served.semantic[None].astype(np.int64), 0)[0]
+        tied = ~same & (mine >= best - SEMANTIC_TIE * np.abs(best))
+        figures["semantic_pixels"], figures["semantic_tied"] = float(same.mean()), float(tied.mean())
+        if figures["semantic_pixels"] + figures["semantic_tied"] < SEMANTIC_AGREEMENT:
+            wrong.append(f"the semantic map agrees on {figures['semantic_pixels']:.4%} of pixels, "
+                         f"{figures['semantic_tied']:.4%} more on classes tied with the model's best "
                          f"(needs {SEMANTIC_AGREEMENT:.1%})")
     if post["panoptic_on"]:
         ids, segments = theirs["panoptic_seg"]

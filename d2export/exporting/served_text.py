@@ -10,7 +10,8 @@ call), query by query, on the verification's first sizes:
   exact, for every instance (no float in it);
 - served: the served word equals the model's own word, except where the graph's id differs at a slot whose two
   probabilities are a float tie in the model's own `rec_scores` (within TIE); the score within SCORE_ATOL.
-Where the model's package has no visualizer to read with, the manifest says the words were not checked, and why.
+Where the model's package has no visualizer to read with, the manifest says the words were not checked, and why;
+the scores are compared all the same, and for spotters that read no text (DPText-DETR, SRFormer) they are all there is.
 """
 from __future__ import annotations
 
@@ -73,21 +74,22 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
     from d2export.runtime.predictor import Prepared, Processing
 
     post = manifest.postprocess
-    if "charset" not in post:
+    if built.family.evaluator != "text":
         return {}
     exact = manifest.precision == "float32"
     ctc = post.get("text_decoding") == "ctc"
-    # which of its visualizer's readings the model's config asks for (DeepSolo: CTC; TESTR: TEXT_CTC), taken from
-    # that config, not from the manifest under check
-    own_ctc = built.family.postprocess(built.d2cfg).get("text_decoding") == "ctc"
-    reader, where = own_reader(built.model, built.d2cfg, own_ctc, built.model_folders)
-    if reader is None:
-        log.warning("served words not checked against the model's own reading: %s", where)
-        return {"checked": False, "reason": where}
-    chars = list(post["charset"])
+    reader, where = None, "the model reads no text"
+    if "charset" in post:
+        # which of its visualizer's readings the model's config asks for (DeepSolo: CTC; TESTR: TEXT_CTC), taken
+        # from that config, not from the manifest under check
+        own_ctc = built.family.postprocess(built.d2cfg).get("text_decoding") == "ctc"
+        reader, where = own_reader(built.model, built.d2cfg, own_ctc, built.model_folders)
+        if reader is None:
+            log.warning("served words not checked against the model's own reading: %s", where)
+    chars = list(post.get("charset", ""))
     processing = Processing(manifest)
     session = sessions.session(model_path, built.cfg.verify.providers)
-    words = ties = 0
+    words = ties = instances = 0
     worst = 0.0
     problems: list[str] = []
     with threshold_zero(built.model) as threshold, torch.no_grad():
@@ -103,9 +105,12 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
             if len(served) != len(own) and exact:
                 problems.append(f"{h}x{w}: {len(served)} instances served, the model returns {len(own)}")
                 continue
+            instances += len(served)
+            worst = max([worst] + [abs(i.score - s) for i, s in zip(served, own.scores.tolist())])
+            if reader is None:
+                continue
             probs = own.rec_scores.float().numpy() if own.has("rec_scores") else None
-            for k, (inst, ids, score) in enumerate(zip(served, own.recs.tolist(), own.scores.tolist())):
-                worst = max(worst, abs(inst.score - score))
+            for k, (inst, ids) in enumerate(zip(served, own.recs.tolist())):
                 own_word = reader(ids)
                 ours = decode(ids, chars, ctc=ctc, unknown=post.get("unknown_id"))
                 words += 1
@@ -118,21 +123,24 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
                         ties += 1
                     else:
                         problems.append(f"{h}x{w} query {k}: served {inst.text!r}, the model reads {own_word!r}")
-    record = {"checked": True, "reader": where, "words": words, "near_ties": ties,
-              "max_score_error": float(worst), "score_atol": SCORE_ATOL}
+    record = {"checked": True, "instances": instances, "max_score_error": float(worst), "score_atol": SCORE_ATOL}
+    if reader is not None:
+        record |= {"reader": where, "words": words, "near_ties": ties}
+    elif "charset" in post:
+        record |= {"words": f"not checked: {where}"}
     if not exact:  # the words and scores of a reduced precision are its own verification's (its tolerances)
         problems = [p for p in problems if "by the manifest's charset" in p]
-        record = {"checked": True, "reader": where, "words": words,
-                  "served_compared": f"no: a {manifest.precision} graph's characters and scores are held to its "
-                                     "own verification's tolerances; its reading rule is checked here"}
+        record = {k: v for k, v in record.items() if k in ("checked", "reader", "words")} | {
+            "served_compared": f"no: a {manifest.precision} graph's characters and scores are held to its own "
+                               "verification's tolerances; its reading rule is checked here"}
     elif worst > SCORE_ATOL:
         problems.append(f"served scores up to {worst:.2e} from the model's own (bound {SCORE_ATOL:g})")
     if problems:
         more = f"\n  … and {len(problems) - 8} more" if len(problems) > 8 else ""
-        raise ServedTextError(f"what is served is not what the model reads ({len(problems)} problem(s), reader "
+        raise ServedTextError(f"what is served is not what the model returns ({len(problems)} problem(s); "
                               f"{where}):\n  " + "\n  ".join(problems[:8]) + more)
-    log.info("served words: %d equal the model's own reading (%s), %d near ties, scores within %.1e", words, where,
-             ties, worst)
+    log.info("served: %d instances, scores within %.1e of the model's own; %s", instances, worst,
+             f"{words} words equal its own reading ({where}), {ties} near ties" if reader else where)
     return record
 
 

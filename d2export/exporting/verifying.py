@@ -153,7 +153,7 @@ def _cases_at(built, sizes: list[tuple[int, int]], refusal: bool = False) -> lis
     files = picture_files(v.pictures, sum(map(len, groups)), "verify.pictures") if v.pictures else []
     turns = itertools.cycle(files)  # one picture a case's image, in turn
     pixel_format = built.family.preprocess(built.d2cfg)["input_format"]
-    own = served_masks.start(built.adapter)  # export.postprocess=graph: held to the model's own inference
+    own = served_masks.start(built)  # segmenters: what is served held to the model's own inference
     for i, group in progress.steps(list(enumerate(groups)), "eager references"):
         name = ("batch " if len(group) > 1 else "") + "+".join(f"{h}x{w}" for h, w in group) + (
             f" (pictures {i + 1})" if groups.count(group) > 1 else "")
@@ -170,7 +170,7 @@ def _cases_at(built, sizes: list[tuple[int, int]], refusal: bool = False) -> lis
                 raise _RefusedAt(group, e) from e
             raise
         if own is not None:
-            served_masks.hold(built.adapter, expected, images, own)
+            served_masks.hold(built, expected, images, own)
         cases.append(verify.Case(name, graph_inputs(built.adapter, images), expected, images))
     return cases
 

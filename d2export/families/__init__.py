@@ -122,7 +122,8 @@ def _registry() -> dict[str, Family]:
     found: list[Family] = []
     for info in pkgutil.iter_modules(__path__):
         if not info.name.startswith("_"):
-            found.append(importlib.import_module(f"{__name__}.{info.name}").FAMILY)
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            found.extend(getattr(module, "FAMILIES", (module.FAMILY,)))
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):

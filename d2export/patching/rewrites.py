@@ -251,3 +251,19 @@ def resize_before_product(input, size=None, scale_factor=None, mode="nearest", a
     operands = list(operands)
     operands[i] = F.interpolate(operands[i], size=size, mode="bilinear", align_corners=False)
     return torch.einsum(equation, *operands)
+
+
+_ENCODER_LAYER_FORWARD = torch.nn.TransformerEncoderLayer.forward  # torch's own, before any scope patches it
+
+
+@register_patch("transformer-layer-math-path", module=torch.nn.TransformerEncoderLayer,
+                why="in eval mode torch runs nn.TransformerEncoderLayer through its fused fast path "
+                    "(aten::_transformer_encoder_layer_fwd), which no ONNX translation takes (SRFormer's mask "
+                    "branch); the layer's own Python path computes the same, so it runs with the fast path off")
+def encoder_layer_math_path(self, *args, **kwargs):
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        return _ENCODER_LAYER_FORWARD(self, *args, **kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
