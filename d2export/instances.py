@@ -24,6 +24,7 @@ class Instance:
     closed: bool = True  # False: `polygon` is an open polyline (DeepSolo's centre line)
     text: str | None = None
     text_score: float | None = None  # mean probability of the characters kept (0 when none)
+    language: str | None = None  # the script its text was read in (multilingual spotters: DeepSolo++)
     beziers: list[list[float]] | None = None  # 8 Bézier control points, for Bézier-mode text spotters
     boundary: list[list[float]] | None = None  # a closed outline around a centre line
     keypoints: list[list[float]] | None = None  # [[x, y, score], …]

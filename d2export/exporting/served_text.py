@@ -79,14 +79,15 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
     exact = manifest.precision == "float32"
     ctc = post.get("text_decoding") == "ctc"
     reader, where = None, "the model reads no text"
-    if "charset" in post:
+    reads = "charset" in post or "charsets" in post  # one set, or one per script (DeepSolo++)
+    if reads:
         # which of its visualizer's readings the model's config asks for (DeepSolo: CTC; TESTR: TEXT_CTC), taken
         # from that config, not from the manifest under check
         own_ctc = built.family.postprocess(built.d2cfg).get("text_decoding") == "ctc"
         reader, where = own_reader(built.model, built.d2cfg, own_ctc, built.model_folders)
         if reader is None:
             log.warning("served words not checked against the model's own reading: %s", where)
-    chars = list(post.get("charset", ""))
+    charsets = post.get("charsets") or {None: post.get("charset", "")}
     processing = Processing(manifest)
     session = sessions.session(model_path, built.cfg.verify.providers)
     words = ties = instances = 0
@@ -110,9 +111,13 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
             if reader is None:
                 continue
             probs = own.rec_scores.float().numpy() if own.has("rec_scores") else None
-            for k, (inst, ids) in enumerate(zip(served, own.recs.tolist())):
-                own_word = reader(ids)
-                ours = decode(ids, chars, ctc=ctc, unknown=post.get("unknown_id"))
+            scripts = ([post["languages"][i] for i in own.languages.tolist()] if own.has("languages")
+                       else [None] * len(own))
+            for k, (inst, ids, script) in enumerate(zip(served, own.recs.tolist(), scripts)):
+                own_word = reader(ids) if script is None else reader(ids, script)
+                ours = decode(ids, list(charsets[script]), ctc=ctc, unknown=post.get("unknown_id"))
+                if inst.language != script:
+                    problems.append(f"{h}x{w} query {k}: served in {inst.language}, the model reads {script}")
                 words += 1
                 if ours != own_word:
                     problems.append(f"{h}x{w} query {k}: the model's own ids read {own_word!r} by its visualizer, "
@@ -126,7 +131,7 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
     record = {"checked": True, "instances": instances, "max_score_error": float(worst), "score_atol": SCORE_ATOL}
     if reader is not None:
         record |= {"reader": where, "words": words, "near_ties": ties}
-    elif "charset" in post:
+    elif reads:
         record |= {"words": f"not checked: {where}"}
     if not exact:  # the words and scores of a reduced precision are its own verification's (its tolerances)
         problems = [p for p in problems if "by the manifest's charset" in p]

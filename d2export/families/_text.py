@@ -24,11 +24,12 @@ OUTPUT_DOCS = {
     "bd_points": "boundary points (upper x, y, lower x, y) in input-image pixels",
     "char_ids": "best character per text slot (ids at or past the charset's length: no character)",
     "char_scores": "that character's probability",
+    "languages": "the instance's script (index into the manifest's `languages`), whose head its characters are from",
 }
 
 
 OUTPUT_KINDS = {"scores": "probabilities", "labels": "ids", "ctrl_points": "pixels", "bd_points": "pixels",
-                "char_ids": "ids", "char_scores": "probabilities", "text_logits": "logits"}
+                "char_ids": "ids", "char_scores": "probabilities", "text_logits": "logits", "languages": "ids"}
 
 
 def own_visualizer(model, d2cfg, search=()) -> tuple[Any, str]:
@@ -137,6 +138,9 @@ def text_instances(outputs: dict[str, np.ndarray], index: int, input_hw: tuple[i
             bd = outputs["bd_points"][index, k].astype(np.float64)
             inst.boundary = (np.concatenate([bd[:, :2], bd[::-1, 2:]]) * scale).tolist()
         if "char_ids" in outputs:
+            if "charsets" in post:  # one per script (DeepSolo++): the instance's own
+                inst.language = post["languages"][int(outputs["languages"][index, k])]
+                chars = list(post["charsets"][inst.language])
             ids, probs = outputs["char_ids"][index, k], outputs["char_scores"][index, k]
             kept = (ids >= 0) & (ids < len(chars))
             inst.text = decode(ids.tolist(), chars, ctc=post.get("text_decoding") == "ctc",
