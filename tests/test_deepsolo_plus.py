@@ -116,3 +116,34 @@ def test_a_charset_of_the_wrong_size_is_refused_in_one_line(tmp_path):
     cfg.MODEL.TRANSFORMER.LANGUAGE.VOC_SIZES = [["Latin", 11], ["Symbols", 5]]
     with pytest.raises(CharsetError, match="Latin.json: 12 characters from index 1; Latin's VOC_SIZES entry reads 11"):
         get("deepsolo_plus").text_charset(cfg, None, [CHAR_MAP.parent.parent])
+
+
+def test_a_chunk_size_that_does_not_divide_its_dim_exports_as_torch_splits():
+    """DeepSolo++ splits its point queries from its language token by `hs.split(hs.shape[3] - 1, dim=3)` (25 and 1 of
+    26): exported as is, the Split's pieces are equal and onnxruntime refuses; the split-whole patch narrows."""
+    import io
+
+    import onnxruntime as ort
+
+    import d2export.patching.zoo  # noqa: F401 - registers split-whole
+    from d2export.patching import apply_patches
+
+    class Head(torch.nn.Module):
+        def forward(self, x):
+            points, token = torch.split(x, x.shape[3] - 1, dim=3)
+            return points * 2, token + 1
+
+    def exported(patched: bool):
+        f = io.BytesIO()
+        with apply_patches(model=Head(), only=["split-whole"] if patched else []):
+            torch.onnx.export(Head(), (torch.randn(1, 2, 3, 26),), f, dynamo=False, input_names=["x"],
+                              dynamic_axes={"x": {2: "h", 3: "p"}})
+        return ort.InferenceSession(f.getvalue(), providers=["CPUExecutionProvider"])
+
+    x = torch.randn(1, 2, 5, 26)
+    for got, want in zip(exported(True).run(None, {"x": x.numpy()}), Head()(x)):
+        np.testing.assert_array_equal(got, want.numpy())
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="Split size 25 exceeds the remaining size"):
+        exported(False).run(None, {"x": x.numpy()})

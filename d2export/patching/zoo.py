@@ -21,11 +21,20 @@ def heatmaps_to_keypoints(maps, rois):
 
 @register_patch("split-whole", function=("torch.Tensor.split", "torch.split"),
                 why="x.split([len(x)]) (detectron2's per-image split of one image's boxes, scores, masks) bakes the "
-                    "traced count into the graph: the next picture's count fails in onnxruntime's Split")
+                    "traced count into the graph: the next picture's count fails in onnxruntime's Split; and a "
+                    "chunk size that does not divide the dim is exported as equal pieces")
 def split_whole(tensor, split_size_or_sections, dim=0):
     sections = split_size_or_sections
     if isinstance(sections, (list, tuple)) and len(sections) == 1 and sections[0] == tensor.shape[dim]:
         return (tensor,)  # one section holding everything: the tensor itself, whatever its traced size
+    chunk = isinstance(sections, int) or (isinstance(sections, torch.Tensor) and sections.dim() == 0)
+    if chunk and torch.jit.is_tracing() and int(tensor.shape[dim]) % int(sections):
+        # a chunk size that does not divide the dim (DeepSolo++'s `hs.split(hs.shape[3] - 1, dim=3)`: 25 and 1; a
+        # traced size is a tensor): the exporter writes equal pieces (25 and 25 of 26); narrowed pieces keep the
+        # lengths traced (their count is the trace's, as a Split's outputs are)
+        total, last = tensor.shape[dim], int(tensor.shape[dim]) // int(sections)
+        return tuple([tensor.narrow(dim, i * sections, sections) for i in range(last)]
+                     + [tensor.narrow(dim, last * sections, total - last * sections)])
     return NotImplemented
 
 
