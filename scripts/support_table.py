@@ -24,6 +24,7 @@ OUTPUT = "docs/support.md"
 EXPORTING = "docs/exporting.md"
 TORCH_EXPORT = "Through torch.export (`export.exporter=dynamo`, `auto`)"
 BACKBONES = "Backbones: Swin, ViTDet and the rest"
+SPOTTER_RUNS = "Text spotters: what was run and what is served"
 
 ROUTES = ("TorchScript", "torch.export", "any")  # any: refused whatever the route
 SAMPLERS = ("gather", "grid_sample", "fused", "—")  # "—": no deformable attention in the model
@@ -132,6 +133,31 @@ ROWS: tuple[Row, ...] = (
     Row("DeepSolo", "ViTAEv2-S", "unedited clone", "torch.export", "gather",
         "five sizes (multiples of 32, given as `verify.sizes`) and a mixed batch, by hand",
         dynamo("DeepSolo ViTAEv2-S (unedited clone")),
+    # --- spotters built on them (issue 93) ---------------------------------------------------------------------------
+    Row("DNTextSpotter (deepsolo)", "ResNet-50", "stand-in", "TorchScript", "gather",
+        "tiny: five sizes, a mixed batch, served words against its own reading",
+        (t("tests/test_spotter_variants.py::test_dntextspotter_head_returning_a_pair_exports_and_serves_its_own_words"),),
+        ("dntextspotter_tiny",)),
+    Row("DNTextSpotter (deepsolo)", "ResNet-50", "unedited clone", "TorchScript", "gather",
+        "TotalText: four sizes and a mixed batch, 200 of 200 words its own, by hand",
+        (Run(SPOTTER_RUNS, "| DNTextSpotter R-50 TotalText |"),)),
+    Row("SRFormer", "ResNet-50", "stand-in", "TorchScript", "gather",
+        "tiny: five sizes, a mixed batch, scores against its own inference",
+        (t("tests/test_spotter_variants.py::test_srformer_is_its_own_variant_scored_per_query"),), ("srformer_tiny",)),
+    Row("SRFormer", "ResNet-50", "unedited clone", "TorchScript", "gather",
+        "TotalText: four sizes and a mixed batch, by hand", (Run(SPOTTER_RUNS, "| SRFormer R-50 TotalText |"),)),
+    Row("DeepSolo++", "ResNet-50", "stand-in", "TorchScript", "gather",
+        "tiny, two scripts: five sizes, a mixed batch, words per script against an independent reading",
+        (t("tests/test_deepsolo_plus.py::test_each_query_is_read_in_its_own_script"),), ("deepsolo_plus_tiny",)),
+    Row("DeepSolo++", "ResNet-50", "unedited clone", "TorchScript", "gather",
+        "MLT19 multi-head: four sizes and a mixed batch, 200 of 200 words its own, by hand",
+        (Run(SPOTTER_RUNS, "| DeepSolo++ R-50 MLT19 multi-head |"),)),
+    Row("DeepSolo (ReCTS, Chinese)", "ResNet-50", "unedited clone", "TorchScript", "gather",
+        "four sizes and a mixed batch, 200 of 200 words its own, by hand",
+        (Run(SPOTTER_RUNS, "| DeepSolo R-50 ReCTS (Chinese) |"),)),
+    Row("MapTextPipeline (deepsolo)", "ViTAEv2-S", "unedited clone", "TorchScript", "gather",
+        "five sizes (multiples of 32, given) and a mixed batch, 600 of 600 words its own, by hand",
+        (Run(SPOTTER_RUNS, "| MapTextPipeline ViTAEv2-S |"),)),
     # --- detrex DETRs ------------------------------------------------------------------------------------------------
     Row("Deformable-DETR (detrex)", "ResNet-50", "stand-in", "TorchScript", "gather",
         "tiny: five sizes, a mixed batch, lint", (t(DETR),), ("deformable_detr_tiny",)),
