@@ -533,7 +533,10 @@ MODULE_PATCHES = {"msda-core", "padding-mask-from-sizes", "reference-points-per-
                   "level-sizes-for-torch-export",
                   # tests/test_masked_decoder.py: the tiny Mask2Former exported and verified at other sizes and a
                   # batch, float64 parity at three; test_dynamo_mask2former.py: the same through torch.export
-                  "masks-once-per-query", "masked-attention-per-query"}
+                  "masks-once-per-query", "masked-attention-per-query",
+                  # tests/test_spotter_variants.py: the SRFormer stand-in (its mask branch's torch encoder layer, in
+                  # the graph) exported and verified at five sizes and a batch, the patch's hits asserted
+                  "transformer-layer-math-path"}
 # Patches of what upstream code it takes to exercise, tested size-general with that code elsewhere: detectron2's ViT,
 # whose helpers these replace (tests/test_vit_backbone.py), the stand-in's DCNv3 Function (tests/test_dcnv3.py) and
 # ViTAEv2's window_reverse (tests/test_swin_backbone.py)
