@@ -156,7 +156,7 @@ ROWS: tuple[Row, ...] = (
         "four sizes and a mixed batch, 200 of 200 words its own, by hand",
         (Run(SPOTTER_RUNS, "| DeepSolo R-50 ReCTS (Chinese) |"),)),
     Row("MapTextPipeline (deepsolo)", "ViTAEv2-S", "unedited clone", "TorchScript", "gather",
-        "five sizes (multiples of 32, given) and a mixed batch, 600 of 600 words its own, by hand",
+        "the plain command: multiples of 32 found, four sizes and a mixed batch, 600 of 600 words its own, by hand",
         (Run(SPOTTER_RUNS, "| MapTextPipeline ViTAEv2-S |"),)),
     # --- detrex DETRs ------------------------------------------------------------------------------------------------
     Row("Deformable-DETR (detrex)", "ResNet-50", "stand-in", "TorchScript", "gather",
