@@ -17,25 +17,13 @@ import pytest
 from d2export import families
 from d2export.charset import CharsetError, decode, read_file, resolve
 from d2export.patching import compiled_ops
+from upstream_reading import deepsolo_reading
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "third_party"))
 compiled_ops.install(["testr._C", "deepsolo._C"])  # the stand-ins import their compiled op, as upstream's do
 
 CHINESE = [0x4E2D, 0x6587, 0x5B57, 0x7B26, 0x8BC6, 0x522B]  # 中文字符识别
-
-
-def deepsolo_reading(ids, codes, voc_size) -> str:
-    """DeepSolo's _ctc_decode_recognition for a custom dictionary, written out: chr() of the pickled code point."""
-    text, last = "", "###"
-    for c in ids:
-        if c < voc_size - 1:
-            if last != c:
-                text += chr(codes[c])
-                last = c
-        else:
-            last = "###"
-    return text
 
 
 def deepsolo_cfg(voc_size: int, transformer_dict: str = "", batext_dict: str = ""):
@@ -88,7 +76,7 @@ def test_deepsolo_rects_names_its_dictionary_under_transformer(tmp_path, monkeyp
     rng = np.random.default_rng(7)
     for _ in range(30):
         ids = rng.integers(0, len(CHINESE) + 2, 25).tolist()
-        assert decode(ids, list(found["charset"]), ctc=True) == deepsolo_reading(ids, CHINESE, len(CHINESE) + 1)
+        assert decode(ids, list(found["charset"]), ctc=True) == deepsolo_reading(ids, [chr(c) for c in CHINESE])
     # the older key still works where the new one is empty; the new one wins where both are set
     monkeypatch.chdir(clone)
     (clone / "other").write_bytes(pickle.dumps(CHINESE[::-1]))

@@ -16,25 +16,12 @@ import torch
 
 from d2export.exporting import served_text
 from d2export.patching import compiled_ops
+from upstream_reading import deepsolo_reading
 
 compiled_ops.install(["testr._C", "deepsolo._C"])
 
 # 6 code points: a ReCTS-like custom dictionary (VOC_SIZE 7: 6 characters and "unknown")
 CODES = [0x4E2D, 0x6587, 0x5B57, 0x7B26, 0x8BC6, 0x522B]
-
-
-def deepsolo_reading(ids, voc_size=len(CODES) + 1) -> str:
-    """DeepSolo's _ctc_decode_recognition on a custom dictionary, transcribed: chr() of the code point, a run of one
-    id once, ids from VOC_SIZE - 1 up end a run."""
-    text, last = "", None
-    for c in ids:
-        if c < voc_size - 1:
-            if c != last:
-                text += chr(CODES[c])
-            last = c
-        else:
-            last = None
-    return text
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +60,7 @@ def test_served_words_are_deepsolos_own_on_a_custom_dictionary(chinese_deepsolo)
     with served_text.threshold_zero(model), torch.no_grad():
         own = model([{"image": torch.from_numpy(prepared.chw), "height": 200, "width": 152}])[0]["instances"]
     assert len(served.instances) == len(own) == 10
-    words = [deepsolo_reading(ids) for ids in own.recs.tolist()]
+    words = [deepsolo_reading(ids, [chr(c) for c in CODES]) for ids in own.recs.tolist()]
     assert any(len(w) > 1 for w in words)  # words, not empty strings
     assert [i.text for i in served.instances] == words
     np.testing.assert_allclose([i.score for i in served.instances], own.scores.numpy(), atol=1e-4)

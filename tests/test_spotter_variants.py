@@ -14,6 +14,7 @@ import torch
 from d2export import families
 from d2export.exporting import served_text
 from d2export.patching import compiled_ops
+from upstream_reading import deepsolo_reading
 
 compiled_ops.install(["dptext._C", "deepsolo._C", "testr._C"])
 
@@ -36,19 +37,6 @@ def dn(tmp_path_factory):
 @pytest.fixture(scope="module")
 def srformer(tmp_path_factory):
     return export("srformer_tiny", tmp_path_factory)
-
-
-def deepsolo_reading(ids, labels="abcdefghijklmnopqrstuvwxyz0123456789") -> str:
-    """DeepSolo's CTC reading for VOC_SIZE 37, transcribed: a run of one id once, ids from 36 up end a run."""
-    text, last = "", None
-    for c in ids:
-        if c < len(labels):
-            if c != last:
-                text += labels[c]
-            last = c
-        else:
-            last = None
-    return text
 
 
 def test_dntextspotter_head_returning_a_pair_exports_and_serves_its_own_words(dn):

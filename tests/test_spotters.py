@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from d2export import families
+from upstream_reading import ASCII, LOWER_ALNUM, deepsolo_reading
 from d2export.patching import adet_family, compiled_ops
 
 compiled_ops.install(["testr._C", "dptext._C", "deepsolo._C"])
@@ -168,18 +169,8 @@ def test_dptext_family_on_a_testr_model_names_what_it_lacked(testr_model):
 
 # ---------------------------------------------------------------------------------------- text decoding
 def upstream_ctc_text(ids, voc_size=37) -> str:
-    """DeepSolo's own reading of per-point ids, written out independently: a-z then 0-9 (37) or ASCII 32-126 (96);
-    ids ≥ voc_size - 1 ("unknown" and "none") separate runs; a run of one id is one character."""
-    labels = "abcdefghijklmnopqrstuvwxyz0123456789" if voc_size == 37 else "".join(map(chr, range(32, 127)))
-    text, last = "", None
-    for c in ids:
-        if c < voc_size - 1:
-            if c != last:
-                text += labels[c]
-            last = c
-        else:
-            last = None
-    return text
+    """DeepSolo's own reading for its built-in sets (tests/upstream_reading.py)."""
+    return deepsolo_reading(ids, LOWER_ALNUM if voc_size == 37 else ASCII)
 
 
 @pytest.mark.parametrize("voc_size", [37, 96])
