@@ -13,9 +13,9 @@ PYTEST_ARGS ?=
 .PHONY: setup test export demo bench wheel clean
 setup: $(STAMP)
 
-$(STAMP): setup.py scripts/install_detectron2.py Makefile d2export/runtime/native/msda_op.cc d2export/runtime/native/ort_abi.h \
-          d2export/runtime/native/msda_op.h d2export/runtime/native/msda_sample.h d2export/runtime/native/msda_op_cuda.cu \
-          d2export/runtime/native_build.py
+$(STAMP): setup.py scripts/install_detectron2.py Makefile d2export/kernels/native/msda_op.cc d2export/kernels/native/ort_abi.h \
+          d2export/kernels/native/msda_op.h d2export/kernels/native/msda_sample.h d2export/kernels/native/msda_op_cuda.cu \
+          d2export/kernels/native_build.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel "setuptools<82"
 	@$(PY) -c "import torch, torchvision" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)

@@ -28,16 +28,16 @@ def has_dist(name: str) -> bool:
 WANT_GPU = os.environ.get("D2EXPORT_ONNXRUNTIME") == "gpu" or has_dist("onnxruntime-gpu")
 ORT = [] if WANT_GPU else ["onnxruntime>=1.17"]
 
-# The fused MSDA operator as a native onnxruntime custom-op library (d2export/runtime/native), built where a C++
+# The fused MSDA operator as a native onnxruntime custom-op library (d2export/kernels/native), built where a C++
 # compiler exists; optional, so an install without one still succeeds and the numba kernel (the `fused` extra) serves
-# instead. Python never imports it: onnxruntime loads it by path (d2export.runtime.custom_ops finds it). No
+# instead. Python never imports it: onnxruntime loads it by path (d2export.kernels.custom_ops finds it). No
 # -march=native: a wheel or a clone may move to another CPU; -O3 vectorises the kernel's loop over D for the default
-# target. The flags live in d2export/runtime/native_build.py (no multiply-add contraction: every CPU computes the same
+# target. The flags live in d2export/kernels/native_build.py (no multiply-add contraction: every CPU computes the same
 # bits), which the tests build each clone's level with; loaded by path, as d2export is not installed yet.
 def _native_build():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_d2export_native_build", HERE / "d2export/runtime/native_build.py")
+    spec = importlib.util.spec_from_file_location("_d2export_native_build", HERE / "d2export/kernels/native_build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -45,10 +45,10 @@ def _native_build():
 
 NATIVE_FLAGS = _native_build().NATIVE_FLAGS
 MSDA_NATIVE = Extension(
-    "d2export.runtime._msda_native",
-    sources=["d2export/runtime/native/msda_op.cc"],
-    depends=["d2export/runtime/native/ort_abi.h", "d2export/runtime/native/msda_sample.h",
-             "d2export/runtime/native/msda_op.h", "d2export/runtime/native_build.py"],
+    "d2export.kernels._msda_native",
+    sources=["d2export/kernels/native/msda_op.cc"],
+    depends=["d2export/kernels/native/ort_abi.h", "d2export/kernels/native/msda_sample.h",
+             "d2export/kernels/native/msda_op.h", "d2export/kernels/native_build.py"],
     extra_compile_args=NATIVE_FLAGS,
     extra_link_args=[] if os.name == "nt" else ["-pthread"],
     export_symbols=["RegisterCustomOps"],
@@ -57,8 +57,8 @@ MSDA_NATIVE = Extension(
 )
 
 
-# The same library with the operator's CUDA kernel beside the CPU one (d2export/runtime/native/msda_op_cuda.cu), built
-# where nvcc is found (find_nvcc): d2export/runtime/_msda_cuda*.so, which d2export registers instead of _msda_native
+# The same library with the operator's CUDA kernel beside the CPU one (d2export/kernels/native/msda_op_cuda.cu), built
+# where nvcc is found (find_nvcc): d2export/kernels/_msda_cuda*.so, which d2export registers instead of _msda_native
 # where it exists (its CPU kernel is the same code, built with the same flags). Machine code for every GPU a server is
 # likely to hold: sm_75 (T4), sm_80 (A100, A30), sm_86 (A10, A40, RTX 30xx/A-series), sm_89 (L4, L40S, RTX 40xx/Ada)
 # and sm_90 (H100, H200), plus sm_90 PTX that newer GPUs (Blackwell) compile when they load it; cudart linked
@@ -66,17 +66,17 @@ MSDA_NATIVE = Extension(
 # _msda_cuda.build.json, and an older driver gets the CPU library instead), and only once a CUDA session runs it (it
 # loads into a CPU-only onnxruntime without one). Optional twice over: no nvcc, a failing nvcc, Windows or macOS, or
 # D2EXPORT_CUDA=0 leaves the CPU library alone, with one line saying so.
-CUDA_SOURCE = "d2export/runtime/native/msda_op_cuda.cu"
-CUDA_RECORD = "_msda_cuda.build.json"  # d2export.runtime.cuda_build reads it
+CUDA_SOURCE = "d2export/kernels/native/msda_op_cuda.cu"
+CUDA_RECORD = "_msda_cuda.build.json"  # d2export.kernels.cuda_build reads it
 CUDA_SM = (75, 80, 86, 89, 90)
 CUDA_ARCHS = [flag for sm in CUDA_SM for flag in ("-gencode", f"arch=compute_{sm},code=sm_{sm}")] + [
     "-gencode", f"arch=compute_{CUDA_SM[-1]},code=compute_{CUDA_SM[-1]}"]
-NATIVE_HEADERS = ["d2export/runtime/native/ort_abi.h", "d2export/runtime/native/msda_op.h",
-                  "d2export/runtime/native/msda_sample.h"]
+NATIVE_HEADERS = ["d2export/kernels/native/ort_abi.h", "d2export/kernels/native/msda_op.h",
+                  "d2export/kernels/native/msda_sample.h"]
 MSDA_CUDA = Extension(
-    "d2export.runtime._msda_cuda",
-    sources=["d2export/runtime/native/msda_op.cc"],  # plus CUDA_SOURCE, which BuildExt hands to nvcc
-    depends=NATIVE_HEADERS + [CUDA_SOURCE, "setup.py", "d2export/runtime/native_build.py"],  # setup.py: CUDA_ARCHS
+    "d2export.kernels._msda_cuda",
+    sources=["d2export/kernels/native/msda_op.cc"],  # plus CUDA_SOURCE, which BuildExt hands to nvcc
+    depends=NATIVE_HEADERS + [CUDA_SOURCE, "setup.py", "d2export/kernels/native_build.py"],  # setup.py: CUDA_ARCHS
     define_macros=[("D2_MSDA_CUDA", "1")],
     extra_compile_args=NATIVE_FLAGS,
     export_symbols=["RegisterCustomOps"],
@@ -140,7 +140,7 @@ class BuildExt(build_ext):
         # --exclude-libs: the static cudart's symbols stay inside the library (only RegisterCustomOps is exported)
         subprocess.run([nvcc, "-shared", "-cudart", "static", "-o", target, *objects, cuda_object,
                         "-Xcompiler", "-pthread", "-Xlinker", "--exclude-libs,ALL"], **run)
-        # the CUDA release beside the library: d2export.runtime.cuda_build keeps a too-old driver off its CUDA kernel
+        # the CUDA release beside the library: d2export.kernels.cuda_build keeps a too-old driver off its CUDA kernel
         release = re.search(r"release (\d+\.\d+)", subprocess.run([nvcc, "--version"], **run).stdout)
         record = {"cuda": release.group(1) if release else None, "sm": list(CUDA_SM), "ptx": CUDA_SM[-1]}
         (Path(target).parent / CUDA_RECORD).write_text(json.dumps(record) + "\n")

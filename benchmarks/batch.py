@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from d2export.commandline import parser
+from d2export.argparsing import parser
 
 
 def uptime() -> str:
@@ -28,7 +28,7 @@ def uptime() -> str:
 def make_pictures(folder: Path, count: int, sizes: list[tuple[int, int]], corrupt: int) -> None:
     from PIL import Image
 
-    from d2export.imaging import synthetic_image
+    from d2export.resizing import synthetic_image
 
     for i in range(count):
         h, w = sizes[i % len(sizes)]

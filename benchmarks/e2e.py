@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from d2export.commandline import parser
-from d2export.runtime import custom_ops
+from d2export.argparsing import parser
+from d2export.kernels import custom_ops
 
 ROOT = Path(__file__).resolve().parent.parent
 EAGER = "eager PyTorch (per-level grid_sample)"
@@ -110,7 +110,7 @@ def open_session(path: Path, threads: int, profile_prefix: str | None = None, ca
     is named; the optimized-model cache unless cache=False or profiling); returns it and the seconds it took."""
     import onnxruntime as ort
 
-    from d2export.runtime.session_cache import create_session
+    from d2export.runtime.optimized_cache import create_session
 
     with custom_ops.forcing(kernel):
         options = custom_ops.register(session_options(threads, profile_prefix), custom_ops.file_ops(path))
@@ -278,7 +278,7 @@ def _measure_child(config: str, runner: str, size: int, threads: int, runs: int)
             with torch.no_grad():
                 built.adapter(*args)
     else:
-        from d2export.imaging import pad_batch
+        from d2export.resizing import pad_batch
 
         session, _ = open_session(Path(runner), threads)
         rng = np.random.default_rng(123)
@@ -490,8 +490,8 @@ def int8_sessions(modes, exports: dict, built, out: Path, threads: int, size: in
     from d2export.cpu import cpu_features
     from d2export.datasets import generate
     from d2export.exporting import int8
-    from d2export.exporting.pictures import picture_files
-    from d2export.imaging import resize_shortest_edge
+    from d2export.verification.pictures import picture_files
+    from d2export.resizing import resize_shortest_edge
 
     folder = Path(calibration) if calibration else out / "calibration"
     if "static" in modes and not calibration and not (folder / "annotations.json").is_file():

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from benchmarks.e2e import parity
-from d2export.commandline import parser
+from d2export.argparsing import parser
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -236,7 +236,7 @@ def cuda_session(path: Path, profile_prefix: str | None = None, cuda_graph: bool
     """The graph on the CUDA provider with `options` (default: VERIFIED) and the graph transformers `disabled`."""
     import onnxruntime as ort
 
-    from d2export.exporting.sessions import session_options
+    from d2export.verification.check_sessions import session_options
     from d2export.runtime.predictor import DISABLED_OPTIMIZERS_KEY
 
     opts = session_options(path)  # the fused operator's library registered where the graph has it
@@ -445,7 +445,7 @@ def model_rows(args, out: Path, feeds: dict, results: dict) -> None:
     import onnxruntime as ort
 
     from d2export.exporting.fp16 import to_float16
-    from d2export.exporting.sessions import session_options
+    from d2export.verification.check_sessions import session_options
 
     graph = Path(args.model) if args.model else out / "gather.onnx"
     if not args.model:
@@ -555,8 +555,8 @@ def fused_rows(args, out: Path, feeds: dict, results: dict) -> None:
     copies; every row's parity with the float32 graph on the CPU provider at its batch."""
     import onnxruntime as ort
 
-    from d2export.exporting.host_copies import census
-    from d2export.exporting.sessions import session_options
+    from d2export.verification.host_copies import census
+    from d2export.verification.check_sessions import session_options
 
     rows = results["rows"]
     settings_batches = set(args.settings_batches or args.batches)

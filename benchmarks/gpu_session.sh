@@ -10,7 +10,7 @@
 #           provider), the benchmark's fixed-size fused graphs (batch 1 and 8, float32 and float16), the trained micro
 #           spotter's float32 and float16 exports, the held-out sets
 #   stash N: (carry .gpuN, N = 2 … 4, each call within 30 s of the last: the machine stays warm that long)
-#   run:    (carry .gpu5 and d2export/runtime/_msda_cuda*.so, the fused operator's library built here with nvcc for
+#   run:    (carry .gpu5 and d2export/kernels/_msda_cuda*.so, the fused operator's library built here with nvcc for
 #           sm_80/sm_90) issue 69's figures in one call of under 8 minutes (RUN_BUDGET seconds; each step is given
 #           what is left, the log says each one's start): assemble onnxruntime-gpu, then the benchmark (eager fp32 and
 #           autocast fp16 on the compiled kernel; the dynamic fused graph in fp32 and fp16 as verified and with
@@ -136,7 +136,7 @@ run)
   tail -n 4 $W/*.log; cp $W/*.log "$OUT/" 2>/dev/null
   R50=$(find $W/textdet -name '*.onnx' | grep -v fp16 | head -1)
   echo "R-50 dynamic fused graph: $R50"
-  in_repo python3 -c "from d2export.runtime.custom_ops import cuda_library; print('fused CUDA library:', cuda_library())"
+  in_repo python3 -c "from d2export.kernels.custom_ops import cuda_library; print('fused CUDA library:', cuda_library())"
   step "benchmark"  # what is left, less 70 s for the kernel's step
   in_repo timeout -k 10 $((RUN_BUDGET - SECONDS - 70)) python3 tools/benchmark.py gpu --model "$R50" \
     --upstream-msda $W/msda_upstream --out $W/bench --json "$OUT/gpu.json" --rounds 20 --no-plugin --no-placement \

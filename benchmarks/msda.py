@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.e2e import interleaved
-from d2export.commandline import parser
+from d2export.argparsing import parser
 from d2export.ops.msda import _gather, multi_scale_deformable_attention
 
 HEADS, DIM, LEVELS, POINTS = 8, 32, 4, 4
@@ -156,13 +156,13 @@ DYNAMIC_AXES = {"value": {0: "batch", 1: "tokens"}, "spatial_shapes": {0: "level
 def build_runner(name, inputs, threads):
     module, how = FORMULATIONS[name]
     if str(how).startswith("kernel"):
-        from d2export.runtime import msda_kernel
+        from d2export.kernels import numba_msda
 
-        msda_kernel.numba.set_num_threads(threads)
+        numba_msda.numba.set_num_threads(threads)
         arrays = [t.numpy() for t in inputs]
         if how.endswith("one pixel"):
             arrays[3] = np.full_like(arrays[3], 0.37)
-        return lambda: msda_kernel.msda(*arrays)
+        return lambda: numba_msda.msda(*arrays)
     if how == "eager":
         def run():
             with torch.no_grad():
@@ -174,7 +174,7 @@ def build_runner(name, inputs, threads):
     # constants, and the gather rows would time a graph no model exports
     torch.onnx.export(module, inputs, buf, input_names=NAMES, output_names=["out"], opset_version=how, dynamo=False,
                       dynamic_axes=DYNAMIC_AXES)
-    from d2export.runtime import custom_ops
+    from d2export.kernels import custom_ops
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads

@@ -5,7 +5,7 @@
 //
 // It includes the kernel's own translation unit, so what runs is the library's code (same templates, same flags:
 // -fmad=false), not a copy; msda_op.cc is linked for the symbols that unit references.
-#include "../d2export/runtime/native/msda_op_cuda.cu"
+#include "../d2export/kernels/native/msda_op_cuda.cu"
 
 #include <cstdio>
 #include <fstream>

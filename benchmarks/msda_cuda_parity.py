@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-NATIVE = ROOT / "d2export" / "runtime" / "native"
+NATIVE = ROOT / "d2export" / "kernels" / "native"
 CASES = {  # name: (batch, levels (H, W), heads, dim, queries, points)
     "encoder_640": (1, [(80, 80), (40, 40), (20, 20), (10, 10)], 8, 32, 1200, 4),
     "batch3_nonsquare_d12": (3, [(37, 23), (19, 12), (10, 6)], 4, 12, 300, 3),
@@ -78,7 +78,7 @@ def check(directory: Path) -> int:
     sys.path.insert(0, str(ROOT))
     from msda_reference import msda_reference
 
-    from d2export.runtime import custom_ops
+    from d2export.kernels import custom_ops
 
     library = custom_ops.native_library()
     failures = compared = 0

@@ -53,7 +53,7 @@ def unavailable() -> str | None:
         return "no onnxruntime"
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return "onnxruntime has no CUDA provider here (install onnxruntime-gpu)"
-    from d2export.runtime import custom_ops
+    from d2export.kernels import custom_ops
 
     if custom_ops.cuda_library() is None:
         return "d2export's CUDA MSDA library is not built (no nvcc when it was installed)"
@@ -69,7 +69,7 @@ def unavailable() -> str | None:
 def one_node(value_type: int):
     from onnx import TensorProto
 
-    from d2export.runtime import custom_ops
+    from d2export.kernels import custom_ops
 
     return custom_ops.fused_msda_model("float16" if value_type == TensorProto.FLOAT16 else "float")
 
@@ -77,7 +77,7 @@ def one_node(value_type: int):
 def session(model: bytes, provider: str):
     import onnxruntime as ort
 
-    from d2export.runtime import custom_ops
+    from d2export.kernels import custom_ops
 
     options = ort.SessionOptions()
     options.register_custom_ops_library(custom_ops.cuda_library())

@@ -18,9 +18,9 @@ import numpy as np
 
 from benchmarks.e2e import interleaved
 from benchmarks.msda import make_inputs
-from d2export.commandline import parser
+from d2export.argparsing import parser
 from d2export.cpu import describe_cpu
-from d2export.runtime import custom_ops, native_build
+from d2export.kernels import custom_ops, native_build
 
 def builds(folder: Path) -> dict[str, str]:
     """name -> library path: the installed library, the contracted clones and one build per runnable level."""

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.e2e import interleaved
-from d2export.commandline import parser
+from d2export.argparsing import parser
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"panoptic": "configs/coco/panoptic-segmentation/maskformer2_R50_bs16_50ep.yaml",

@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 
-from d2export.commandline import parser
+from d2export.argparsing import parser
 
 
 def exported(config: str, out: Path) -> Path:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     import httpx
     from PIL import Image
 
-    from d2export.imaging import synthetic_image
+    from d2export.resizing import synthetic_image
     from d2export.runtime.predictor import Predictor
     from d2export.runtime.server import create_app, serving
 

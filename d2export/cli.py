@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 # HelpFormatter: d2export.cli's name too
-from d2export.commandline import HelpFormatter, export_side_missing, one_line, parser  # noqa: F401
+from d2export.argparsing import HelpFormatter, export_side_missing, one_line, parser  # noqa: F401
 
 log = logging.getLogger("d2export")
 

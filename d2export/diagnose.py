@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from d2export.commandline import parser
-from d2export.imaging import synthetic_image
+from d2export.argparsing import parser
+from d2export.resizing import synthetic_image
 
 
 def _sizes(text: str) -> list[tuple[int, int]]:
@@ -30,7 +30,7 @@ def _sizes(text: str) -> list[tuple[int, int]]:
 def _pictures(files: list[str], sizes) -> list[tuple[str, np.ndarray]]:
     """(name, HWC RGB uint8) from files, or synthetic pictures at the given sizes."""
     if files:
-        from d2export.runtime.images import read_image
+        from d2export.runtime.image_decoding import read_image
 
         return [(Path(f).stem, read_image(f)) for f in files]
     return [(f"synthetic_{h}x{w}", synthetic_image(h, w, seed=i).transpose(1, 2, 0))
@@ -62,7 +62,7 @@ def diagnose_main(argv: list[str] | None = None) -> int:
             built = pipeline.prepare(load(args.config, overrides))
             report = pipeline.ladder(built, args.sizes)
             if args.vis:
-                from d2export.compare import side_by_side_pictures
+                from d2export.side_by_side import side_by_side_pictures
 
                 for path in side_by_side_pictures(built, _pictures(args.images, args.sizes or
                                                                    pipeline.verification_sizes(built.cfg)),

@@ -34,7 +34,7 @@ class Manifest:
     exporter: str
     sampler: str = ""
     # d2export custom operators the graph holds ("d2export.MultiScaleDeformableAttention" for export.sampler=fused):
-    # a session must register them (d2export.runtime.custom_ops)
+    # a session must register them (d2export.kernels.custom_ops)
     custom_ops: list[str] = field(default_factory=list)
     precision: str = "float32"  # "float16" with export.fp16 (MSDA sampling, Softmax, … float32 inside)
     # what the runtime needs for pre- and post-processing

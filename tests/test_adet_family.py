@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from d2export.ops import level_shapes
-from d2export.patching import adet_family, compiled_ops
+from d2export.ops import detr_sizes
+from d2export.patching import compiled_ops
 
 compiled_ops.install(["testr._C"])
 from testr.layers.deformable_transformer import DeformableTransformer, DeformableTransformerEncoder  # noqa: E402
@@ -31,7 +32,7 @@ def masks_original(image_sizes, strides=(8, 16, 32)):
 def test_padding_masks_equal_the_original(image_sizes):
     wrapper, shapes, expected = masks_original(image_sizes)
     for sizes in (image_sizes, torch.tensor(image_sizes)):
-        got = adet_family.mask_out_padding(wrapper, shapes, sizes, "cpu")
+        got = detr_sizes.mask_out_padding(wrapper, shapes, sizes, "cpu")
         for g, e in zip(got, expected):
             assert torch.equal(g, e.bool())
 
@@ -49,7 +50,7 @@ def flat_inputs(image_sizes, c=256):
 def test_reference_points_equal_the_original(image_sizes):
     spatial, _, valid, _ = flat_inputs(image_sizes)
     expected = DeformableTransformerEncoder.get_reference_points(spatial, valid, "cpu")
-    torch.testing.assert_close(adet_family.get_reference_points(spatial, valid, "cpu"), expected, rtol=0, atol=0)
+    torch.testing.assert_close(detr_sizes.get_reference_points(spatial, valid, "cpu"), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("image_sizes", SIZES)
@@ -59,7 +60,7 @@ def test_encoder_proposals_equal_the_original(image_sizes):
     transformer = DeformableTransformer(d_model=256, nhead=8, num_encoder_layers=1, num_decoder_layers=1,
                                         dim_feedforward=64, num_feature_levels=3, num_proposals=5).eval()
     expected = transformer.gen_encoder_output_proposals(memory, mask_flat, spatial)
-    got = adet_family.gen_encoder_output_proposals(transformer, memory, mask_flat, spatial)
+    got = detr_sizes.gen_encoder_output_proposals(transformer, memory, mask_flat, spatial)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
 

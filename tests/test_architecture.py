@@ -1,6 +1,7 @@
-"""docs/architecture.md's floors table is the import graph as it is: every module under d2export/ has a row, no
-import runs up a floor (lazy imports inside functions too), and d2export imports neither third_party/, training/ (the
-fixtures' workshop) nor the dispatcher (d2export/cli.py). Reads source only: imports nothing of d2export."""
+"""docs/architecture.md's floors table is the import graph as it is: every module under d2export/ has a row and is
+named in it, no import runs up a floor (lazy imports inside functions too), no import circle (on one floor either),
+and d2export imports neither third_party/, training/ (the fixtures' workshop) nor the dispatcher (d2export/cli.py).
+Reads source only: imports nothing of d2export."""
 from __future__ import annotations
 
 import ast
@@ -22,6 +23,15 @@ def outside_names(repo: Path = REPO) -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------------ the table
+def read_rows(markdown: str) -> dict[str, str]:
+    """The floors table's rows: `d2export/...` → the text of its row (where a package's files are named)."""
+    rows = {}
+    for line in markdown.splitlines():
+        for name in re.findall(r"`(d2export/[^`]*)`", line.split("|")[2] if line.count("|") > 3 else ""):
+            rows.setdefault(name, line)
+    return rows
+
+
 def read_floors(markdown: str) -> dict[str, int]:
     """The floors table: `d2export/...` (a file, or a package ending in /) → its floor. The table is the one whose
     header has a `floor` and a `modules` column; rows whose floor is not a number (`—`) stand apart."""
@@ -117,22 +127,64 @@ class Problems:
     uncovered: list[str]  # modules without a row, and rows naming nothing
     upward: list[str]  # imports running up a floor
     forbidden: list[str]  # imports of third_party/, training/ or the dispatcher
+    unnamed: list[str]  # files a package row covers without naming them
+    circles: list[list[str]]  # files that import themselves back through others
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one file (Tarjan's), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return sorted(found)
 
 
 def check(repo: Path, markdown: str, forbidden: dict[str, str]) -> Problems:
     floors = read_floors(markdown)
     paths = module_paths(repo)
     files = sorted(p for p in paths.values() if p.endswith(".py"))
-    problems = Problems([], [], [])
+    problems = Problems([], [], [], [], [])
+    rows = read_rows(markdown)
     problems.uncovered += [f"{f}: no row in the floors table" for f in files if row_of(f, floors) is None]
     problems.uncovered += [f"{row}: a row for nothing under d2export/" for row in floors
                            if not any(f == row or (row.endswith("/") and f.startswith(row)) for f in files)]
     for rel in files:
         here = row_of(rel, floors)
+        name = rel[len(here):] if here and here.endswith("/") else None
+        if name and name != "__init__.py" and f"`{name}`" not in rows.get(here, "") \
+                and f"`{name.split('/')[0]}/`" not in rows.get(here, ""):
+            problems.unnamed.append(f"{rel}: not named in the row of {here}")
+    edges: dict[str, set[str]] = {}
+    for rel in files:
+        here = row_of(rel, floors)
         for imp in imports_of(repo, rel, paths):
+            target = paths.get(imp.target, "")
+            if target.endswith(".py") and target != rel:
+                edges.setdefault(rel, set()).add(target)
             if imp.target == DISPATCHER and rel != DISPATCHER_FILE:
                 problems.forbidden.append(f"{rel}:{imp.line} imports the dispatcher {DISPATCHER} (the helpers are "
-                                          "in d2export.commandline)")
+                                          "in d2export.argparsing)")
             elif imp.target in forbidden:
                 problems.forbidden.append(f"{rel}:{imp.line} imports {imp.target} ({forbidden[imp.target]})")
             if not imp.target.startswith("d2export"):
@@ -143,6 +195,7 @@ def check(repo: Path, markdown: str, forbidden: dict[str, str]) -> Problems:
             if floors[there] > floors[here]:
                 problems.upward.append(f"{rel}:{imp.line} (floor {floors[here]}, row {here}) imports {imp.target} "
                                        f"(floor {floors[there]}, row {there})")
+    problems.circles = circles(edges)
     return problems
 
 
@@ -154,8 +207,16 @@ def test_every_module_under_d2export_has_a_row():
     assert _real().uncovered == []
 
 
+def test_every_file_is_named_in_its_row():
+    assert _real().unnamed == []
+
+
 def test_no_import_runs_up_a_floor():
     assert _real().upward == []
+
+
+def test_no_import_circle():
+    assert _real().circles == []
 
 
 def test_d2export_imports_neither_third_party_training_nor_the_dispatcher():
@@ -170,6 +231,8 @@ def _fake_repo(tmp_path: Path) -> Path:
         "d2export/pkg/__init__.py": "",
         "d2export/pkg/high.py": "from . import other\nfrom ..low import f\n",
         "d2export/pkg/other.py": "import d2export.cli\nimport testr.modeling\nfrom training.common import reading\n",
+        "d2export/pkg/ring_a.py": "from d2export.pkg import ring_b\n",
+        "d2export/pkg/ring_b.py": "def f():\n    from d2export.pkg.ring_a import g  # lazy, still a circle\n",
         "d2export/cli.py": "from d2export import low\n",
         "d2export/stray.py": "",
     }
@@ -182,7 +245,7 @@ def _fake_repo(tmp_path: Path) -> Path:
 TABLE = """| floor | modules | what |
 |---|---|---|
 | 0 | `d2export/low.py` | low |
-| 1 | `d2export/pkg/` | the package |
+| 1 | `d2export/pkg/` | the package: `high.py`, `ring_a.py`, `ring_b.py` |
 | 2 | `d2export/__init__.py` | face |
 | 2 | `d2export/cli.py` | dispatcher |
 | 3 | `d2export/gone.py` | a module that does not exist |
@@ -199,8 +262,12 @@ def test_the_checker_reports_a_moved_row_a_missing_row_and_forbidden_imports(tmp
                             "(floor 1, row d2export/pkg/)",
                             "d2export/pkg/other.py:1 (floor 1, row d2export/pkg/) imports d2export.cli "
                             "(floor 2, row d2export/cli.py)"]
+    assert found.unnamed == ["d2export/pkg/other.py: not named in the row of d2export/pkg/"]
+    # cli → low → pkg.high → pkg.other → cli: across floors (also upward imports); ring_a ↔ ring_b on one floor
+    assert found.circles == [["d2export/cli.py", "d2export/low.py", "d2export/pkg/high.py", "d2export/pkg/other.py"],
+                             ["d2export/pkg/ring_a.py", "d2export/pkg/ring_b.py"]]
     assert found.forbidden == ["d2export/pkg/other.py:1 imports the dispatcher d2export.cli (the helpers are in "
-                               "d2export.commandline)", "d2export/pkg/other.py:2 imports testr (third_party/)",
+                               "d2export.argparsing)", "d2export/pkg/other.py:2 imports testr (third_party/)",
                                "d2export/pkg/other.py:3 imports training (training/)"]
 
     # one row moved up a floor: the package's own relative imports stay on its floor; its import of low is fine

@@ -36,7 +36,7 @@ def test_msda_kernel_rows_compute_the_reference_call():
 
 def test_msda_fused_rows_each_run_their_own_kernel(monkeypatch):
     """The benchmark's two fused rows compute the reference call, each through the kernel its name says."""
-    from d2export.runtime import custom_ops
+    from d2export.kernels import custom_ops
 
     served = []
     register = custom_ops.register

@@ -96,7 +96,7 @@ def test_a_fixed_size_graph_serves_pictures_of_other_sizes(fixed_fused_export):
 
 
 def test_pad_batch_fills_a_fixed_batch_with_blank_pictures():
-    from d2export.imaging import pad_batch
+    from d2export.resizing import pad_batch
 
     image = np.full((3, 5, 7), 9, np.uint8)
     batch, sizes = pad_batch([image], (2, 8, 10))

@@ -74,8 +74,8 @@ def test_float16_verification_still_refuses_wrong_detections(float16):
     import onnxruntime as ort
 
     from d2export import pipeline
-    from d2export.exporting import near_ties, pinning
-    from d2export.exporting.verify import compare_reduced_case
+    from d2export.verification import near_ties, pinning
+    from d2export.verification.comparison import compare_reduced_case
 
     _, path, built, cases = float16
     v, names = built.cfg.verify, built.adapter.output_names
@@ -111,7 +111,7 @@ def iou(a, b):
 
 
 def test_the_served_model_finds_the_shapes(exported, held_out):
-    from d2export.runtime.images import read_image
+    from d2export.runtime.image_decoding import read_image
     from d2export.runtime.predictor import Predictor
 
     out, manifest = exported

@@ -10,7 +10,7 @@ import torch
 
 from d2export import building, pipeline
 from d2export.config import ConfigError, check_files, lazy_config_path, load
-from d2export.stages import StageError, stage
+from d2export.stage_errors import StageError, stage
 
 REPO = Path(__file__).resolve().parents[1]
 DINO = "third_party/detrex_standin/projects/dino/configs/dino-resnet/dino_r50_4scale_12ep.py"

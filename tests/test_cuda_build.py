@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from d2export.runtime import cuda_build, custom_ops
+from d2export.kernels import cuda_build, custom_ops
 
 
 def _library(tmp_path: Path, release) -> Path:

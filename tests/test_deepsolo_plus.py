@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from d2export.exporting import served_text
+from d2export.verification import served_text
 from d2export.patching import compiled_ops
 
 compiled_ops.install(["deepsolo._C", "testr._C"])

@@ -19,7 +19,7 @@ from d2export import families, pipeline
 from d2export.building import UserError
 from d2export.config import load
 from d2export.families.detr_boxes import DETECTOR
-from d2export.imaging import synthetic_image
+from d2export.resizing import synthetic_image
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "third_party", "detrex_standin")

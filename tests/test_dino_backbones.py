@@ -8,10 +8,10 @@ import pytest
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.exporting import verifying
-from d2export.exporting.verify import VerificationError
+from d2export.verification import graph_checks
+from d2export.verification.comparison import VerificationError
 from d2export.patching import REGISTRY
-from d2export.stages import StageError
+from d2export.stage_errors import StageError
 
 SIZES = "verify.sizes=[[224,224],[333,313],[256,192],[192,256],[64,64]]"
 
@@ -31,7 +31,7 @@ def test_dino_exports_verified_at_sizes_and_a_mixed_batch(tmp_path, config):
 
 
 def test_focalnet_without_the_patch_embedding_patch_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(verifying, "_ladder_summary", lambda built: {"culprit": None})  # a second export otherwise
+    monkeypatch.setattr(graph_checks, "_ladder_summary", lambda built: {"culprit": None})  # a second export otherwise
     monkeypatch.setattr(REGISTRY["patch-embed-padding"], "needed", lambda target: False)
     built = _built(tmp_path, "dino_focalnet_tiny")
     with pytest.raises((VerificationError, StageError)) as refused:  # wrong, or failing in onnxruntime

@@ -12,7 +12,7 @@ def test_auto_falls_back_to_torch_export_and_fused_is_one_node_per_attention(tmp
     torch.export, the manifest naming that route. With export.sampler=fused: d2export's custom op, translated to the
     same d2export-domain node the TorchScript route writes (one per MSDA module), verified on its kernel."""
     from d2export.exporting import onnx_export
-    from d2export.runtime.custom_ops import FUSED_MSDA_ID
+    from d2export.kernels.custom_ops import FUSED_MSDA_ID
 
     real = onnx_export._run_exporter
 

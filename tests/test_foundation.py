@@ -43,7 +43,7 @@ def test_detectron2_builds_and_runs_rcnn_on_cpu():
 
 def test_runtime_imports_without_torch():
     code = ("import sys; sys.modules['torch'] = None; sys.modules['detectron2'] = None; import d2export, "
-            "d2export.manifest, d2export.imaging, d2export.charset, d2export.runtime, d2export.runtime.predictor, "
+            "d2export.manifest, d2export.resizing, d2export.charset, d2export.runtime, d2export.runtime.predictor, "
             "d2export.runtime.visualize, d2export.families._text")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

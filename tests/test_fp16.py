@@ -189,7 +189,7 @@ def test_if_branches_read_outer_tensors_in_float32():
 def _fused_graph():
     """An MSDA module's float32 graph with the fused operator, named as the TorchScript exporter names scopes:
     value_proj → masked fill (Where) → Reshape → fused → output_proj, locations and weights as graph inputs."""
-    from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
+    from d2export.kernels.custom_ops import DOMAIN, FUSED_MSDA
 
     rng = np.random.default_rng(3)
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
@@ -220,7 +220,7 @@ def _fused_graph():
 
 
 def _fused_run(model, feed):
-    from d2export.runtime import custom_ops
+    from d2export.kernels import custom_ops
 
     opts = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
     opts.intra_op_num_threads = 1

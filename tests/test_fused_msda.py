@@ -16,8 +16,8 @@ import torch
 
 from d2export.manifest import Manifest, TensorSpec, manifest_path
 from d2export.ops.msda import QUERY_CHUNKS, multi_scale_deformable_attention
-from d2export.runtime import custom_ops
-from d2export.runtime.msda_kernel import msda as fused_kernel
+from d2export.kernels import custom_ops
+from d2export.kernels.numba_msda import msda as fused_kernel
 from msda_reference import edge_locations, msda_reference, random_msda_inputs
 from exports import export
 
@@ -134,7 +134,7 @@ def test_register_stops_pool_spinning_unless_the_caller_chose(monkeypatch):
 _BLOCKED = """
 import sys
 sys.modules["onnxruntime_extensions"] = None  # as if the `fused` extra were not installed
-from d2export.runtime import custom_ops
+from d2export.kernels import custom_ops
 import onnxruntime as ort
 assert custom_ops.register(ort.SessionOptions(), []) is not None  # portable graphs never need it
 try:
@@ -158,8 +158,8 @@ _TORCH_FREE = """
 import sys
 import numpy as np, onnx, onnxruntime as ort
 from onnx import TensorProto as T, helper
-from d2export.runtime import custom_ops
-from d2export.runtime.msda_kernel import msda
+from d2export.kernels import custom_ops
+from d2export.kernels.numba_msda import msda
 types = [T.FLOAT, T.INT64, T.INT64, T.FLOAT, T.FLOAT]
 names = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
 node = helper.make_node(custom_ops.FUSED_MSDA, names, ["out"], domain=custom_ops.DOMAIN)
@@ -243,7 +243,7 @@ def test_triton_repository_without_the_native_library_is_refused_in_one_line(tmp
 
 
 def test_session_cache_opens_the_optimized_graph_and_survives_damage(tmp_path):
-    from d2export.runtime.session_cache import cache_path, create_session
+    from d2export.runtime.optimized_cache import cache_path, create_session
 
     path = _fake_model(tmp_path, [])
     x = {"x": np.array([[-1.0, 0.5, 2.0]], np.float32)}

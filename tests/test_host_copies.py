@@ -1,4 +1,4 @@
-"""Host → device crossings of a graph served on a GPU, found here without one (d2export/exporting/host_copies.py):
+"""Host → device crossings of a graph served on a GPU, found here without one (d2export/verification/host_copies.py):
 hand-made graphs whose answer is known, a dynamic export that has crossings, and a fixed-size fused export that
 onnxruntime folds to none (each fused node's output sizes written by the exporter: without them every size after
 the first MSDA was unknown and the shape arithmetic stayed), and its float16 copy."""
@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from d2export.exporting.host_copies import census, crossings, optimized
+from d2export.verification.host_copies import census, crossings, optimized
 
 
 def _graph(nodes, inits=()):
@@ -60,7 +60,7 @@ def test_a_fixed_size_fused_export_leaves_no_shape_arithmetic_for_the_host(fixed
     import onnxruntime as ort
 
     from d2export.exporting.fp16 import to_float16
-    from d2export.exporting.sessions import session_options
+    from d2export.verification.check_sessions import session_options
 
     half = tmp_path / "half.onnx"
     onnx.save(to_float16(onnx.load(path)), half)

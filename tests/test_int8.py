@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from d2export.exporting import int8
-from d2export.exporting.pictures import picture_files
+from d2export.verification.pictures import picture_files
 from exports import export
 
 # what text spotters keep float so that the queries a TopK picks from the proposals' scores stay the same
@@ -182,7 +182,7 @@ def test_static_int8_calibrates_on_pictures_and_verifies(text_pictures, tmp_path
 def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(text_pictures, tmp_path, monkeypatch):
     """The spotter's convolutions and encoder quantised statically too (what text spotters keep float): proposals
     move and a confident word lands elsewhere. Refused; nothing written."""
-    from d2export.exporting.verify import VerificationError
+    from d2export.verification.comparison import VerificationError
     from d2export.families import get
 
     monkeypatch.setattr(get("testr"), "int8_static_ops", ("Conv", "MatMul", "Gemm"))
@@ -197,7 +197,7 @@ def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(text_pictures, tmp
 def test_a_reader_whose_text_branch_is_quantised_is_refused(tmp_path, monkeypatch):
     """A fixture that reads: with its text branch in dynamic int8 a confident character's probability moved 0.08-0.14
     (ids equal; the weights of 10,000 pictures). Refused; nothing written."""
-    from d2export.exporting.verify import VerificationError
+    from d2export.verification.comparison import VerificationError
     from d2export.families import get
 
     monkeypatch.setattr(get("testr"), "int8_float_scopes",

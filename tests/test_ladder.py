@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from d2export.exporting import ladder
-from d2export.exporting.ladder import compare, default_rungs, flatten_tensors, module_of_node, run_ladder
-from d2export.imaging import pad_batch
+from d2export.verification import ladder
+from d2export.verification.ladder import compare, default_rungs, flatten_tensors, module_of_node, run_ladder
+from d2export.resizing import pad_batch
 from d2export.tracing import dummy_images
 from exports import export
 
@@ -278,16 +278,16 @@ def test_a_ladder_that_crashes_is_an_error_beside_the_verifications_verdict(monk
     """The ladder is a diagnosis run when verification fails: where it crashes (through torch.export a patch may
     turn a module's tensors into Python sizes), that is an error in the report, never a clean ladder, and the
     refusal keeps its own figures."""
-    from d2export.exporting import verifying
+    from d2export.verification import graph_checks
 
     def broken(built):
         raise RuntimeError("the traced run did not call what the eager probe did")
 
-    monkeypatch.setattr(verifying, "ladder", broken)
+    monkeypatch.setattr(graph_checks, "ladder", broken)
     with caplog.at_level("WARNING", logger="d2export"):
-        summary = verifying._ladder_summary(None)
+        summary = graph_checks._ladder_summary(None)
     assert summary["culprit"] is None and summary["diverged"] is None and "did not call" in summary["error"]
-    assert verifying._culprit_line(summary) == (
+    assert graph_checks._culprit_line(summary) == (
         "\nthe parity ladder crashed (no module compared): RuntimeError: the traced run did not call what the eager "
         "probe did")
     said = [r for r in caplog.records if "parity ladder" in r.getMessage()]

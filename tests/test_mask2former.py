@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.exporting import verifying
-from d2export.exporting.verify import VerificationError
+from d2export.verification import graph_checks
+from d2export.verification.comparison import VerificationError
 
 SIZES = "verify.sizes=[[128,160],[96,192]]"
 
@@ -40,7 +40,7 @@ def exported(tmp_path_factory):
 @pytest.fixture
 def no_ladder(monkeypatch):
     """The parity ladder (run on every failure) is not what these tests look at; it costs a second export."""
-    monkeypatch.setattr(verifying, "_ladder_summary", lambda built: {"culprit": None})
+    monkeypatch.setattr(graph_checks, "_ladder_summary", lambda built: {"culprit": None})
 
 
 def _decoder(built):
@@ -338,7 +338,7 @@ def test_bitmask_boxes_equal_detectron2s_loop_and_follow_the_mask_count_in_a_gra
     included) and, traced, serves another count of masks."""
     from detectron2.structures import BitMasks
 
-    from d2export.ops.rewrites import mask_boxes
+    from d2export.ops.tensor_ops import mask_boxes
 
     rng = np.random.default_rng(0)
     masks = torch.from_numpy(rng.random((9, 13, 17)) > 0.93)

@@ -215,7 +215,7 @@ def trained_head(graph_built):
 
 def _held(built) -> dict:
     """One verification case's reference, held to the model's own inference as verification holds it."""
-    from d2export.exporting import served_masks
+    from d2export.verification import served_masks
 
     record = served_masks.start(built)
     pictures = _pictures()
@@ -238,7 +238,7 @@ def test_the_reference_is_held_to_the_models_own_inference(graph_built, head, re
 
 @pytest.mark.parametrize("rule", RULES)
 def test_an_altered_rule_in_the_graph_is_refused_by_its_reference(graph_built, trained_head, rule, monkeypatch):
-    from d2export.exporting.verify import VerificationError
+    from d2export.verification.comparison import VerificationError
 
     if rule == "object_mask_threshold":
         # the tiny config's threshold is 0; a segment's query scores under 0.999 on these pictures (seeded weights)
@@ -252,7 +252,7 @@ def test_an_altered_rule_in_the_graph_is_refused_by_its_reference(graph_built, t
 
 
 def test_a_model_without_its_own_inference_says_so():
-    from d2export.exporting.served_masks import own_methods as _own_methods
+    from d2export.verification.served_masks import own_methods as _own_methods
 
     model = SimpleNamespace(semantic_inference=lambda *a: None, instance_inference=lambda *a: None)
     record = _own_methods(model, upstream.post_dict())

@@ -1,5 +1,5 @@
 """Mask2Former's masked attention made once per query (d2export/patching/masked_decoder.py), and verification's
-pinning of a threshold the graph makes once where eager makes it per head (d2export/exporting/pinning.py).
+pinning of a threshold the graph makes once where eager makes it per head (d2export/verification/pinning.py).
 
 The independent side is the model's own decoder, unpatched, in float64: its per-head masks, its loop's clearing of
 rows that mask everything, MultiheadAttention's -inf/0 addition. Faults are planted in the patched side only."""
@@ -14,8 +14,8 @@ import torch
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.exporting import pinning, verifying
-from d2export.exporting.verify import VerificationError
+from d2export.verification import pinning, graph_checks
+from d2export.verification.comparison import VerificationError
 from d2export.patching import apply_patches, masked_decoder
 
 ONLY = ["masks-once-per-query", "masked-attention-per-query"]
@@ -157,7 +157,7 @@ def test_the_graph_makes_each_attention_mask_once_per_query_and_verifies(built):
 def test_a_wrong_per_query_mask_is_refused(built, monkeypatch):
     """The per-query masks at threshold 0.4 (the trace-time check switched off, as under torch.export): the graph
     attends elsewhere than the model, and verification refuses it."""
-    monkeypatch.setattr(verifying, "_ladder_summary", lambda built: {"culprit": None})
+    monkeypatch.setattr(graph_checks, "_ladder_summary", lambda built: {"culprit": None})
     monkeypatch.setattr(masked_decoder, "_differs", lambda ours, theirs: False)
 
     def wrong(outputs_mask, size):

@@ -1,4 +1,4 @@
-"""The fused MSDA operator's CUDA build (d2export/runtime/native/msda_op_cuda.cu, built by setup.py where nvcc exists),
+"""The fused MSDA operator's CUDA build (d2export/kernels/native/msda_op_cuda.cu, built by setup.py where nvcc exists),
 checked without a GPU: the library carries the kernel's machine code for every serving GPU (sm_75, sm_80, sm_86, sm_89,
 sm_90) and sm_90 PTX, and needs nothing outside glibc, libstdc++ and libgcc at run time; the sampling header the CUDA
 kernel computes with (msda_sample.h) matches a float64 reference on the CPU, through the CUDA kernel's own per-element
@@ -17,11 +17,11 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from d2export.runtime import custom_ops, native_build
+from d2export.kernels import custom_ops, native_build
 from test_native_msda import CASES, _feed, _half_args, _inputs, _session, assert_close, half_model
 
 ROOT = Path(__file__).resolve().parent.parent
-NATIVE = ROOT / "d2export" / "runtime" / "native"
+NATIVE = ROOT / "d2export" / "kernels" / "native"
 FATBIN_MAGIC = 0xBA55ED50
 PTX, CUBIN = 1, 2  # a fatbin entry's kind
 SERVING_SM = (75, 80, 86, 89, 90)  # setup.py's CUDA_SM: T4, A100/A30, A10/A40/RTX 30, L4/L40S/RTX 40, H100/H200
@@ -44,7 +44,7 @@ def cuda_library() -> str:
     if path is None:
         if shutil.which("nvcc") is None and not Path("/usr/local/cuda/bin/nvcc").is_file():
             pytest.skip("no nvcc on this machine, so setup.py could not build the CUDA MSDA library")
-        pytest.fail("nvcc exists but the CUDA MSDA library is not built (no d2export/runtime/_msda_cuda*.so): run "
+        pytest.fail("nvcc exists but the CUDA MSDA library is not built (no d2export/kernels/_msda_cuda*.so): run "
                     "`pip install --no-deps --no-build-isolation -e .`, which builds it (D2EXPORT_CUDA unset)")
     return path
 
@@ -366,7 +366,7 @@ def test_custom_ops_registers_the_cuda_build_and_names_the_kernel(cuda_library, 
 _LOAD_ALONE = """
 import ctypes, ctypes.util, sys
 import onnxruntime as ort
-from d2export.runtime import custom_ops
+from d2export.kernels import custom_ops
 library = custom_ops.cuda_library()
 ctypes.CDLL(library)  # loads (its static initialisers register the fatbin with cudart, which asks no driver)
 options = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])

@@ -1,4 +1,4 @@
-"""The fused MSDA operator's CPU library returns the same bits on every CPU (d2export/runtime/native_build.py): its row
+"""The fused MSDA operator's CPU library returns the same bits on every CPU (d2export/kernels/native_build.py): its row
 code is cloned for AVX-512, x86-64-v3 and the x86-64 baseline and one clone is picked at load, so a test run on one
 CPU exercises one clone only. Two checks cover the others from any machine:
 - by construction: the sampling header writes its multiply-adds out (fma, fmaf: one correctly rounded result on any
@@ -11,7 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from d2export.runtime import custom_ops, native_build
+from d2export.kernels import custom_ops, native_build
 from test_native_msda import (CASES, _feed, _half_args, _inputs, _reference, _session, assert_close, assert_close_half,
                               half_model)
 

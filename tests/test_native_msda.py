@@ -1,4 +1,4 @@
-"""The native fused MSDA kernel (d2export/runtime/native, built by setup.py where a C++ compiler exists): parity through
+"""The native fused MSDA kernel (d2export/kernels/native, built by setup.py where a C++ compiler exists): parity through
 a real onnxruntime session with the float64 reference and with the numba kernel, its errors, and how
 `custom_ops` chooses between the two kernels."""
 import os
@@ -13,8 +13,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from d2export.runtime import custom_ops
-from d2export.runtime.msda_kernel import msda as numba_msda
+from d2export.kernels import custom_ops
+from d2export.kernels.numba_msda import msda as numba_msda
 from msda_reference import edge_locations, msda_reference, random_msda_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def library() -> str:
     if path is None:
         if shutil.which("c++") is None:
             pytest.skip("no C++ compiler on this machine, so setup.py could not build the native MSDA library")
-        pytest.fail("a C++ compiler exists but the native MSDA library is not built (no d2export/runtime/"
+        pytest.fail("a C++ compiler exists but the native MSDA library is not built (no d2export/kernels/"
                     "_msda_native*.so): run `pip install --no-deps --no-build-isolation -e .`, which builds it")
     return path
 
@@ -254,7 +254,7 @@ def test_bad_shapes_are_named_in_onnxruntime_errors(library):
 def test_kernel_prefers_native_and_leaves_spinning(library, monkeypatch):
     monkeypatch.delenv(custom_ops.KERNEL_ENV, raising=False)
     assert custom_ops.kernel() == ("native", library)
-    assert Path(library).parent == ROOT / "d2export" / "runtime"
+    assert Path(library).parent == ROOT / "d2export" / "kernels"
     options = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
     with pytest.raises(RuntimeError):  # spinning left as onnxruntime has it: the kernel runs on the pool's threads
         options.get_session_config_entry("session.intra_op.allow_spinning")
@@ -298,7 +298,7 @@ def test_forcing_names_the_kernel_for_a_block_and_restores_the_environment(libra
 
 _NATIVE_ALONE = """
 import sys
-from d2export.runtime import custom_ops
+from d2export.kernels import custom_ops
 import onnxruntime as ort
 options = custom_ops.register(ort.SessionOptions(), [custom_ops.FUSED_MSDA_ID])
 assert custom_ops.kernel().name == "native"

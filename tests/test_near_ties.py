@@ -5,8 +5,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from d2export.exporting import near_ties
-from d2export.exporting.verify import Case
+from d2export.verification import near_ties
+from d2export.verification.comparison import Case
 
 
 def _topk_graph(path, k=3):

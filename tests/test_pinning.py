@@ -1,4 +1,4 @@
-"""Verification through near-tied selections (d2export/exporting/pinning.py): a graph that picked differently only
+"""Verification through near-tied selections (d2export/verification/pinning.py): a graph that picked differently only
 among candidates within float noise passes, with the graph's pick imposed on eager; every wrong graph still fails.
 
 Ties and faults are planted so that they fire only while the graph is traced (`torch.onnx.is_in_onnx_export()`):
@@ -19,8 +19,8 @@ from torch import nn
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.exporting import near_ties, pinning, verifying
-from d2export.exporting.verify import Case, VerificationError, compare_case
+from d2export.verification import near_ties, pinning, graph_checks
+from d2export.verification.comparison import Case, VerificationError, compare_case
 
 FLOAT32 = pinning.Tolerances(atol=1e-3, rtol=1e-3, pixel_atol=1e-3)  # verify's defaults
 TIGHT = pinning.Tolerances(atol=1e-5, rtol=1e-5, pixel_atol=1e-5)  # the two-stage module's comparison
@@ -72,7 +72,7 @@ def _module(built, name: str) -> nn.Module:
 @pytest.fixture
 def no_ladder(monkeypatch):
     """The parity ladder (run on every failure) is not what these tests look at; it costs a second export."""
-    monkeypatch.setattr(verifying, "_ladder_summary", lambda built: {"culprit": None})
+    monkeypatch.setattr(graph_checks, "_ladder_summary", lambda built: {"culprit": None})
 
 
 def _assert_pinned(verification: dict, precision_bound: float):

@@ -4,7 +4,7 @@ wrong by hand, in ways the single tolerance 0.05 + 0.05·|x| that float16 once u
 import numpy as np
 import pytest
 
-from d2export.exporting.verify import Reduced, compare_reduced_case
+from d2export.verification.comparison import Reduced, compare_reduced_case
 
 BOXES = {"boxes": "pixels", "scores": "probabilities", "labels": "ids"}
 TEXT = {"scores": "probabilities", "labels": "ids", "ctrl_points": "pixels", "char_ids": "ids",

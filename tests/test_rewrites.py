@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from d2export.ops import rewrites as ops
+from d2export.ops import tensor_ops as ops
 from d2export.patching import REGISTRY, Target, apply_patches
-from d2export.patching.rewrites import shape_gather_to_slice
+from d2export.patching.operator_patches import shape_gather_to_slice
 
 torch.set_num_threads(1)
 G = torch.Generator().manual_seed(0)
@@ -137,7 +137,7 @@ PROBES = [
 @pytest.mark.parametrize("name, fn, inputs, opset, expected", PROBES,
                          ids=[f"{p[0]}-opset{p[3]}-{p[4]}" for p in PROBES])
 def test_probe_pins_target(name, fn, inputs, opset, expected):
-    """If torch or onnxruntime change, this fails: update the patch's `when` in d2export/patching/rewrites.py."""
+    """If torch or onnxruntime change, this fails: update the patch's `when` in d2export/patching/operator_patches.py."""
     assert probe(fn, inputs, opset) == expected
     # Adaptive pools are needed at every opset (dynamic H, W fail even when sizes divide); for onnxruntime, the
     # registry applies a patch exactly where the probe found the original broken.
@@ -607,7 +607,7 @@ def test_nearest_rewrite_leaves_eager_calls_to_torch():
     ("bhqd,bhkd->bhqk", [(2, 3, 4, 5), (2, 3, 6, 5)]), ("ij,kj->ki", [(3, 4), (5, 4)]), ("i,j->ij", [(3,), (4,)]),
     ("abc,cd->dba", [(2, 3, 4), (4, 5)]), ("ij,ij->ij", [(3, 4), (3, 4)])])
 def test_einsum_as_one_matmul_is_einsum(equation, shapes):
-    from d2export.ops.rewrites import einsum_as_matmul
+    from d2export.ops.tensor_ops import einsum_as_matmul
 
     a, b = (randn(*s).double() for s in shapes)
     want = torch.einsum(equation, a, b)
@@ -618,7 +618,7 @@ def test_einsum_as_one_matmul_is_einsum(equation, shapes):
 
 @pytest.mark.parametrize("equation", ["...ij,...jk->...ik", "ij,jk->i", "ijj,jk->ik", "ij,jk->ikz", "ij,jk"])
 def test_einsum_that_is_no_single_matmul_is_left_to_torch(equation):
-    from d2export.ops.rewrites import einsum_as_matmul
+    from d2export.ops.tensor_ops import einsum_as_matmul
 
     assert einsum_as_matmul(equation, randn(3, 3), randn(3, 3)) is None
 
@@ -657,7 +657,7 @@ def test_a_product_resized_otherwise_is_left_to_torch(call):
 
 def test_a_product_over_the_spatial_letters_is_not_resized_through():
     """Output letters that the other operand also has (here: a sum's letters kept): no operand carries them alone."""
-    from d2export.ops.rewrites import spatial_operand
+    from d2export.ops.tensor_ops import spatial_operand
 
     assert spatial_operand("bqhw,bchw->bqhw", randn(1, 2, 3, 4), randn(1, 2, 3, 4)) is None
     assert spatial_operand("bqc,bchw->bqwh", randn(1, 2, 3), randn(1, 3, 4, 5)) is None  # transposed: another map

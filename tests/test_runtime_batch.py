@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from d2export.cli import main
-from d2export.imaging import synthetic_image
+from d2export.resizing import synthetic_image
 from d2export.runtime import batch
 
 # (name, height, width): equal sizes share session runs, the others run alone; non-square, portrait, landscape

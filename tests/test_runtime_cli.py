@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 
 from d2export.cli import main
-from d2export.imaging import synthetic_image
+from d2export.resizing import synthetic_image
 
 REPO = Path(__file__).resolve().parent.parent
 

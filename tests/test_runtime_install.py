@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from d2export.commandline import EXPORT_INSTALL, EXPORT_SIDE, export_side_missing
-from d2export.imaging import synthetic_image
+from d2export.argparsing import EXPORT_INSTALL, EXPORT_SIDE, export_side_missing
+from d2export.resizing import synthetic_image
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME_BUDGET_MB = 300  # the goal for a runtime venv (onnxruntime, numpy, Pillow, pydantic, tqdm, onnx, pip)
@@ -169,7 +169,7 @@ def runtime_venv(tmp_path_factory, pytestconfig):
 def test_the_wheel_carries_the_native_library_and_requires_no_export_side(runtime_venv):
     with zipfile.ZipFile(runtime_venv["wheel"]) as z:
         names = z.namelist()
-    assert [n for n in names if re.fullmatch(r"d2export/runtime/_msda_native[^/]*\.so", n)], names
+    assert [n for n in names if re.fullmatch(r"d2export/kernels/_msda_native[^/]*\.so", n)], names
     assert not [n for n in names if "_msda_cuda" in n]  # D2EXPORT_CUDA=0
     assert not [n for n in names if n.startswith(("tests/", "third_party/", "configs/"))]
 
@@ -210,7 +210,7 @@ def test_runtime_install_serves_the_fused_graph_as_the_full_install_does(runtime
     records = [json.loads(line) for line in alone.stdout.splitlines()]
     assert len(records) == 2 and all(r.get("instances") for r in records), alone.stdout[:2000]
     assert alone.stdout == full.stdout
-    kernel = subprocess.run([str(runtime_venv["python"]), "-c", "from d2export.runtime import custom_ops; "
+    kernel = subprocess.run([str(runtime_venv["python"]), "-c", "from d2export.kernels import custom_ops; "
                              "print(custom_ops.kernel().library)"], capture_output=True, text=True, cwd=tmp_path)
     library = Path(kernel.stdout.strip())
     assert kernel.returncode == 0 and library.name.startswith("_msda_native"), kernel.stderr[-2000:]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from d2export.runtime.images import BadImage, ImageTooLarge, decode_image
+from d2export.runtime.image_decoding import BadImage, ImageTooLarge, decode_image
 from d2export.families._text import bezier_polygon
 from d2export.runtime.predictor import (Predictor, Prepared, ProviderUnavailable, options_per_provider,
                                         resolve_providers)
@@ -42,7 +42,7 @@ def eager(tiny_export):
 
 def originals(seed: int = 0) -> list[np.ndarray]:
     """HWC uint8 RGB pictures with structure and noise."""
-    from d2export.imaging import synthetic_image
+    from d2export.resizing import synthetic_image
 
     return [synthetic_image(h, w, seed + i).transpose(1, 2, 0).copy() for i, (h, w) in enumerate(SIZES)]
 

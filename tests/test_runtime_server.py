@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from d2export.imaging import synthetic_image
+from d2export.resizing import synthetic_image
 from d2export.runtime.predictor import Predictor
 from d2export.runtime.server import create_app, serving
 
@@ -79,7 +79,7 @@ def test_predict_raw_bytes_and_multipart(client, predictor):
     assert r.status_code == 200, r.text
     instances_close(r.json()["instances"], want)
     image, jpeg = encoded(90, 300, seed=2, fmt="JPEG")  # JPEG decodes lossily: compare with the decoded pixels
-    from d2export.runtime.images import decode_image
+    from d2export.runtime.image_decoding import decode_image
 
     r = client.post("/predict?score_threshold=0.0", content=jpeg)
     assert r.status_code == 200 and (r.json()["height"], r.json()["width"]) == (90, 300)

@@ -214,8 +214,8 @@ def test_python_stages_answer_as_the_predictor(picture_repo, tiny_export, monkey
     import onnxruntime as ort
     from PIL import Image
 
-    from d2export.imaging import synthetic_image
-    from d2export.runtime.images import decode_image
+    from d2export.resizing import synthetic_image
+    from d2export.runtime.image_decoding import decode_image
     from d2export.runtime.predictor import Predictor
 
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", StandIn)

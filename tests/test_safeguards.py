@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from d2export.exporting import lint as lint_module
-from d2export.exporting.verifying import Subject, check_below_minimums, model_size_error
+from d2export.verification.graph_checks import Subject, check_below_minimums, model_size_error
 from d2export.patching import Target
 
 

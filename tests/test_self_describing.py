@@ -10,8 +10,8 @@ import onnx
 import pytest
 from onnx import TensorProto
 
-from d2export.exporting.verify import Reduced, compare_reduced_case, match_slots, top_k_agreement
-from d2export.imaging import synthetic_image
+from d2export.verification.comparison import Reduced, compare_reduced_case, match_slots, top_k_agreement
+from d2export.resizing import synthetic_image
 from d2export.manifest import METADATA_KEY, Manifest, manifest_path
 from d2export.runtime import Predictor
 

@@ -2,7 +2,7 @@
 `pred_masks`), held at export to the model's own inference: each verification case's reference outputs served as
 the runtime serves them (the family's `prediction` with the manifest's postprocess section) against what the model's
 own semantic_inference, panoptic_inference and instance_inference returned in the same forward
-(d2export/exporting/served_masks.py, called by verifying.verification_cases). On the tiny Mask2Former and on a tiny
+(d2export/verification/served_masks.py, called by graph_checks.verification_cases). On the tiny Mask2Former and on a tiny
 MaskDINO (the tiny Mask2Former with MaskDINO's head outputs, config node and inference: third_party/maskdino, read
 against upstream's maskdino/maskdino.py), both ways of post-processing for MaskDINO; an altered rule is refused.
 """
@@ -18,8 +18,8 @@ import torch
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.exporting import verifying
-from d2export.exporting.verify import VerificationError
+from d2export.verification import graph_checks
+from d2export.verification.comparison import VerificationError
 from d2export.families import AdapterOptions, _masks
 
 SIZES = "verify.sizes=[[128,160],[96,192]]"  # one size the model pads (to 32), one it does not; and a batch of both
@@ -76,7 +76,7 @@ def as_maskdino(built, postprocess: str = "outside"):
 
 def _held(built) -> dict:
     """Verification's eager references (what this file looks at: the served results' check made with them)."""
-    verifying.verification_cases(built)
+    graph_checks.verification_cases(built)
     return built.adapter.own_inference
 
 

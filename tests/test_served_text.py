@@ -1,4 +1,4 @@
-"""What a text spotter serves, held to the model's own code (d2export/exporting/served_text.py).
+"""What a text spotter serves, held to the model's own code (d2export/verification/served_text.py).
 
 The served words come from the exported graph through the runtime (the manifest's charset and decoding); the
 references are the unedited model's forward read by its own visualizer and, independently of d2export, by this
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from d2export.exporting import served_text
+from d2export.verification import served_text
 from d2export.patching import compiled_ops
 from upstream_reading import deepsolo_reading
 

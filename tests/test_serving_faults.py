@@ -19,8 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
-from d2export.imaging import synthetic_image
-from d2export.runtime.images import decode_image
+from d2export.resizing import synthetic_image
+from d2export.runtime.image_decoding import decode_image
 from d2export.runtime.predictor import ModelLoadError, Predictor
 from d2export.runtime.server import create_app, serving
 

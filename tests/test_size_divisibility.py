@@ -64,7 +64,7 @@ def test_a_picture_of_any_size_is_served_padded_as_the_model_pads_it(exported):
     with size_divisibility 32), while the model refuses the picture unpadded."""
     from detectron2.structures import ImageList
 
-    from d2export.imaging import synthetic_image
+    from d2export.resizing import synthetic_image
     from d2export.runtime.predictor import Predictor
 
     built, _, path, _ = exported
@@ -94,19 +94,19 @@ def test_a_picture_of_any_size_is_served_padded_as_the_model_pads_it(exported):
 
 
 def test_sizes_the_user_gives_are_verified_as_given(exported, monkeypatch):
-    from d2export.exporting import verifying
+    from d2export.verification import graph_checks
 
     built = exported[0]
     monkeypatch.setattr(built.cfg.verify, "sizes", [[173, 217]])
     with pytest.raises(AssertionError) as e:
-        verifying.verification_cases(built)
+        graph_checks.verification_cases(built)
     assert e.traceback[-1].path.name == "__init__.py" and "reduction" in str(e.traceback[-1].path)
 
 
 def test_other_failures_and_refusals_no_multiple_cures_end_the_export(exported, monkeypatch):
     from deepsolo.modeling import reduction
 
-    from d2export.exporting import verifying
+    from d2export.verification import graph_checks
 
     built = exported[0]
 
@@ -116,18 +116,18 @@ def test_other_failures_and_refusals_no_multiple_cures_end_the_export(exported, 
 
     monkeypatch.setattr(reduction, "reduction_cell", not_a_size_error)
     with pytest.raises(TypeError, match="the tokeniser takes no odd picture"):
-        verifying.verification_cases(built)
+        graph_checks.verification_cases(built)
 
     def refuses_every_size(x, ratio):
         assert x.shape[-1] < 0, "no size"
 
     monkeypatch.setattr(reduction, "reduction_cell", refuses_every_size)
     with pytest.raises(AssertionError, match="no size"):
-        verifying.verification_cases(built)
+        graph_checks.verification_cases(built)
 
 
 def test_padding_to_the_divisibility_fits_with_the_least_size():
-    from d2export.imaging import pad_batch
+    from d2export.resizing import pad_batch
 
     images = [np.full((3, 40, 50), 9, np.uint8), np.full((3, 70, 20), 9, np.uint8)]
     batch, sizes = pad_batch(images, minimum=(97, 65), divisibility=32)

@@ -94,7 +94,7 @@ def test_a_float16_reader_whose_characters_lean_is_refused_on_text_too(tmp_path,
     from onnx import numpy_helper
 
     from d2export.exporting import fp16
-    from d2export.exporting.verify import VerificationError
+    from d2export.verification.comparison import VerificationError
 
     convert = fp16.to_float16
 

@@ -2,7 +2,7 @@
 returning (outputs, denoising record)) and SRFormer (DPText-DETR's lineage: per-query class logits, offsets, a mask
 branch for training). Stand-ins: third_party/deepsolo/modeling/dn_spotter.py, third_party/dptext/modeling/srformer.py.
 Each exports, verifies at five sizes and a batch, and serves what the unedited model returns (scores within 1e-4;
-DNTextSpotter's words as its own visualizer reads them) — held in the export by d2export/exporting/served_text.py,
+DNTextSpotter's words as its own visualizer reads them) — held in the export by d2export/verification/served_text.py,
 whose refusal of a wrong scoring rule is shown here.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from d2export import families
-from d2export.exporting import served_text
+from d2export.verification import served_text
 from d2export.patching import compiled_ops
 from upstream_reading import deepsolo_reading
 

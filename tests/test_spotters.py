@@ -15,7 +15,8 @@ import torch
 
 from d2export import families
 from upstream_reading import ASCII, LOWER_ALNUM, deepsolo_reading
-from d2export.patching import adet_family, compiled_ops
+from d2export.ops import detr_sizes
+from d2export.patching import compiled_ops
 
 compiled_ops.install(["testr._C", "dptext._C", "deepsolo._C"])
 
@@ -122,7 +123,7 @@ def test_encoder_proposals_rewrite_equals_each_original(make, image_sizes):
     torch.manual_seed(0)
     transformer = make().eval()
     expected = transformer.gen_encoder_output_proposals(memory, mask_flat, spatial)
-    got = adet_family.gen_encoder_output_proposals(transformer, memory, mask_flat, spatial)
+    got = detr_sizes.gen_encoder_output_proposals(transformer, memory, mask_flat, spatial)
     assert got[1].shape[-1] == (8 if make is deepsolo_transformer else 4)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
@@ -137,9 +138,9 @@ def test_the_other_rewrites_reach_both_models(name):
     spec = SPECS[name]
     _, model = build(name, "configs/tiny.yaml")
     modules = list(model.modules())
-    assert sum(map(adet_family.has_mask_out_padding, modules)) == 1
-    assert sum(map(adet_family.has_reference_points, modules)) == 1
-    assert sum(map(adet_family.has_encoder_proposals, modules)) == 1
+    assert sum(map(detr_sizes.has_mask_out_padding, modules)) == 1
+    assert sum(map(detr_sizes.has_reference_points, modules)) == 1
+    assert sum(map(detr_sizes.has_encoder_proposals, modules)) == 1
     assert sum(map(msda_swap.is_msda, modules)) == 2  # tiny: one encoder and one decoder layer
     head = importlib.import_module(f"d2export.families.{name}").HEAD
     assert families.recognise(model).name == name and families.find_child(model, head)[0] == spec.head
@@ -247,7 +248,7 @@ def served(spotter):
 
 
 def originals(sizes, seed=0):
-    from d2export.imaging import synthetic_image
+    from d2export.resizing import synthetic_image
 
     return [synthetic_image(h, w, seed + i).transpose(1, 2, 0).copy() for i, (h, w) in enumerate(sizes)]
 

@@ -7,7 +7,7 @@ import pytest
 
 from d2export import families
 from d2export.config import load
-from d2export.exporting import verify
+from d2export.verification import comparison
 
 # what every config allowed before tolerances had kinds (one atol for all outputs, rtol 1e-3): none may get looser
 BEFORE = {"textdet": 1e-3, "textdet_tiny": 1e-3, "dptext": 1e-3, "dptext_tiny": 1e-3, "deepsolo": 1e-3,
@@ -21,7 +21,7 @@ def _per_output(config: str, names):
     cfg = load(config, ["export.output_dir=/tmp/unused"])
     v = cfg.verify
     family = families.get(FAMILY[config.removesuffix("_tiny")])
-    return verify.output_tolerances(names, family.output_kinds, verify.tolerances_by_kind(v.atol, v.rtol, v.pixel_atol))
+    return comparison.output_tolerances(names, family.output_kinds, comparison.tolerances_by_kind(v.atol, v.rtol, v.pixel_atol))
 
 
 def _detections():
@@ -34,7 +34,7 @@ def _detections():
 def _verdict(config: str, expected, actual) -> dict[str, bool]:
     per_output = _per_output(config, list(expected))
     cfg = load(config, ["export.output_dir=/tmp/unused"])
-    return {c.output: c.ok for c in verify.compare_case("c", expected, actual, cfg.verify.atol, cfg.verify.rtol,
+    return {c.output: c.ok for c in comparison.compare_case("c", expected, actual, cfg.verify.atol, cfg.verify.rtol,
                                                         cfg.verify.max_mismatch, "scores", per_output)}
 
 
@@ -81,4 +81,4 @@ def test_no_output_of_any_config_is_looser_than_before(config):
 
 def test_every_kind_a_family_names_is_known():
     for family in families.families():
-        assert set(family.output_kinds.values()) <= set(verify.KINDS), family.name
+        assert set(family.output_kinds.values()) <= set(comparison.KINDS), family.name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from d2export.exporting.verify import Case, run_cases
+from d2export.verification.comparison import Case, run_cases
 
 NAMES = ["boxes", "scores", "labels"]
 
@@ -64,7 +64,7 @@ def test_verification_sessions_run_on_as_many_threads_as_torch(tmp_path):
     import torch
     from onnx import TensorProto, helper
 
-    from d2export.exporting import sessions
+    from d2export.verification import check_sessions
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
     graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x],
@@ -75,6 +75,6 @@ def test_verification_sessions_run_on_as_many_threads_as_torch(tmp_path):
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
-            assert sessions.session_options(path).intra_op_num_threads == threads
+            assert check_sessions.session_options(path).intra_op_num_threads == threads
     finally:
         torch.set_num_threads(before)

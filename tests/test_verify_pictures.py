@@ -48,7 +48,7 @@ def test_each_case_holds_the_next_picture_stretched_to_its_size_in_the_models_ch
 
 
 def test_a_bgr_model_gets_blue_first(tmp_path):
-    from d2export.exporting.pictures import picture_at, picture_files
+    from d2export.verification.pictures import picture_at, picture_files
 
     files = picture_files(str(halves(tmp_path, 2)), 5, "verify.pictures")
     assert [f.name for f in files] == ["00.png", "01.png"]

@@ -7,7 +7,7 @@ import cv2
 import numpy as np
 
 from d2export.datasets.backgrounds import background, contrasting, finish
-from d2export.datasets.synth import IGNORE_LABEL
+from d2export.datasets.layout import IGNORE_LABEL
 
 
 def _star(points: int = 5, inner: float = 0.45) -> np.ndarray:

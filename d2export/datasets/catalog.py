@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from d2export.datasets.synth import ANNOTATIONS, IGNORE_LABEL, IMAGES, PANOPTIC, PANOPTIC_JSON, SEMANTIC
+from d2export.datasets.layout import ANNOTATIONS, IGNORE_LABEL, IMAGES, PANOPTIC, PANOPTIC_JSON, SEMANTIC
 
 # AdelaiDet's loader (adet/data/datasets/text.py) hands its mapper these names for the JSON's fields
 TEXT_FIELDS = {"bezier_pts": "beziers", "polys": "polygons", "rec": "text"}

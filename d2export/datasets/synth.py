@@ -20,13 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from d2export.datasets.layout import ANNOTATIONS, IMAGES, PANOPTIC, PANOPTIC_JSON, SEMANTIC
+
 KINDS = ("text", "boxes")
-ANNOTATIONS = "annotations.json"
-IMAGES = "images"
-SEMANTIC = "semantic"  # per picture a PNG: each pixel's contiguous class, IGNORE_LABEL void
-IGNORE_LABEL = 255  # as detectron2's and Mask2Former's COCO semantic maps have it
-PANOPTIC = "panoptic"  # per picture a PNG: each pixel's segment id as R + 256·G + 256²·B, 0 void (COCO panoptic)
-PANOPTIC_JSON = "panoptic.json"  # COCO panoptic: each picture's segments_info, the categories with isthing
 JPEG_QUALITY = 92
 # workers unasked, a process pool only where drawing the pictures alone would take longer than this: each worker
 # imports the calling script again (a training script's torch and detectron2: about 5 s on 2 cores; 4 pictures took
@@ -171,7 +167,7 @@ def generate(kind: str, out: str | Path, count: int, seed: int = 0, size: tuple[
 
 
 def synth_main(argv: list[str] | None = None) -> int:
-    from d2export.commandline import one_line, parser
+    from d2export.argparsing import one_line, parser
 
     ap = parser("d2export synth", "Make a labelled synthetic set: pictures in DIR/images and COCO JSON in "
                 f"DIR/{ANNOTATIONS}. The same arguments give the same bytes.",

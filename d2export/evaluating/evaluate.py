@@ -141,7 +141,7 @@ def compare(reference, run, records) -> dict[str, Any]:
 
 def write_vis(folder: Path, reference, run, comparison: dict) -> list[Path]:
     """`reference | run` pictures of the worst pictures: folder/<run>/<picture>.png."""
-    from d2export.runtime.images import read_image
+    from d2export.runtime.image_decoding import read_image
     from d2export.runtime.visualize import draw_prediction, side_by_side
 
     written = []
@@ -312,7 +312,7 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    from d2export.commandline import export_side_missing, one_line, parser
+    from d2export.argparsing import export_side_missing, one_line, parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = parser("d2export evaluate", "Evaluate a dataset under PyTorch (--config) and each exported model, side by "

@@ -133,7 +133,7 @@ def _Timed(model):
 
 def onnx_run(model_path: Path, records: Sequence[dict], make_evaluator: Callable[[dict], DatasetEvaluator],
              providers: Sequence[str] = ("cpu",), threads: int = 0) -> Run:
-    from d2export.runtime.images import read_image
+    from d2export.runtime.image_decoding import read_image
     from d2export.runtime.predictor import Predictor
 
     predictor = Predictor(model_path, providers=providers, threads=threads)

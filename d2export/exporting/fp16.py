@@ -45,7 +45,7 @@ _FUSED_FLOAT32_SLOTS = {3, 4}  # the fused operator's sampling_locations and att
 
 
 def _is_fused(node: onnx.NodeProto) -> bool:
-    from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
+    from d2export.kernels.custom_ops import DOMAIN, FUSED_MSDA
 
     return node.domain == DOMAIN and node.op_type == FUSED_MSDA
 

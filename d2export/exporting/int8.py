@@ -122,7 +122,7 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
         raise ValueError(f"export.int8={mode!r}: choose one of {MODES}")
     op_types = list(DYNAMIC_OPS if mode == "dynamic" else static_ops)
     reduce_range, why = reduce_range_for(features)
-    from d2export.runtime.custom_ops import graph_ops
+    from d2export.kernels.custom_ops import graph_ops
 
     custom = graph_ops(onnx.load(str(src), load_external_data=False))
     if custom and mode == "static":

@@ -192,7 +192,7 @@ def _translations() -> dict:
     from onnxscript import opset18 as op
 
     import d2export.ops.msda  # noqa: F401  (registers torch.ops.d2export.fused_msda)
-    from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA, FUSED_MSDA_INPUTS
+    from d2export.kernels.custom_ops import DOMAIN, FUSED_MSDA, FUSED_MSDA_INPUTS
 
     _declare(DOMAIN, FUSED_MSDA, FUSED_MSDA_INPUTS, ("float", "int64", "int64", "float", "float"))
     ours = onnxscript.values.Opset(DOMAIN, 1)

@@ -40,7 +40,7 @@ OUTPUT_DOCS |= {
 
 
 def _has_msda(module) -> bool:
-    from d2export.patching.msda_swap import is_msda
+    from d2export.ops.msda_modules import is_msda
 
     return any(is_msda(m) for m in module.modules())
 

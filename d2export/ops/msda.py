@@ -12,7 +12,7 @@ Samplers (pick one with `sampler=`; "auto" picks for you):
 - "pytorch": the fastest formulation eagerly in PyTorch (one grid_sample per level, levels' sizes read once).
 - "trt_plugin": exports one `MultiscaleDeformableAttnPlugin_TRT` node for TensorRT; computes like "gather" eagerly.
 - "fused": exports one `d2export.MultiScaleDeformableAttention` node, run on the CPU by d2export's compiled kernel
-  (`d2export.runtime.custom_ops`: onnxruntime-extensions + numba, the `fused` extra); computes like "gather" eagerly.
+  (`d2export.kernels.custom_ops`: onnxruntime-extensions + numba, the `fused` extra); computes like "gather" eagerly.
 "auto" is "pytorch" eagerly and, while tracing or exporting, "gather" or whatever `use_sampler(...)` set.
 
 No sampler turns spatial_shapes or level_start_index into Python numbers while tracing, so a graph exported at one
@@ -264,7 +264,7 @@ class _FusedMSDA(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-        from d2export.runtime.custom_ops import DOMAIN, FUSED_MSDA
+        from d2export.kernels.custom_ops import DOMAIN, FUSED_MSDA
 
         float32, int64 = 1, 7  # onnx.TensorProto.FLOAT, INT64
         out = g.op(f"{DOMAIN}::{FUSED_MSDA}", _cast(g, value, float32), _cast(g, spatial_shapes, int64),

@@ -6,7 +6,7 @@ over the heads ([N * heads, Q, HW]): thresholded, rows that mask everything clea
 makes the mask once per query and its cross-attention masks every head's logits from it: the same values, a
 `heads`-th of the mask work (~12% of the R-50 graph's time on an AVX-512 CPU). The per-head tensor upstream's loop
 still receives is left unused, and its work leaves the graph; verification's pinning matches the graph's threshold
-made once per query to eager's made per head (d2export/exporting/pinning.py)."""
+made once per query to eager's made per head (d2export/verification/pinning.py)."""
 from __future__ import annotations
 
 import inspect

@@ -1,5 +1,5 @@
-"""Find multi-scale deformable attention modules by what they have, not what they are called, and re-point them
-at d2export's traceable core.
+"""Re-point multi-scale deformable attention modules (recognised in `ops/msda_modules.py`) at d2export's traceable
+core.
 
 Two call conventions exist in the field:
 - Deformable-DETR / TESTR / DPText-DETR / DeepSolo `MSDeformAttn.forward(query, reference_points, input_flatten,
@@ -16,31 +16,12 @@ from torch import nn
 
 from d2export.ops.level_shapes import static_size
 from d2export.ops.msda import multi_scale_deformable_attention
-
-_PROJECTIONS = ("sampling_offsets", "attention_weights", "value_proj", "output_proj")
-
-
-def _counts(module: nn.Module) -> tuple[int, int, int] | None:
-    heads = getattr(module, "n_heads", getattr(module, "num_heads", None))
-    levels = getattr(module, "n_levels", getattr(module, "num_levels", None))
-    points = getattr(module, "n_points", getattr(module, "num_points", None))
-    if all(isinstance(v, int) for v in (heads, levels, points)):
-        return heads, levels, points
-    return None
-
-
-def is_msda(module: nn.Module) -> bool:
-    """Duck typing: the four projections plus head/level/point counts make an MSDA, whatever its class name."""
-    return all(isinstance(getattr(module, p, None), nn.Linear) for p in _PROJECTIONS) and _counts(module) is not None
-
-
-def convention(module: nn.Module) -> str:
-    return "mmcv" if hasattr(module, "batch_first") or hasattr(module, "num_heads") else "deformable_detr"
+from d2export.ops.msda_modules import convention, counts, is_msda
 
 
 def sample(module: nn.Module, query, reference_points, value, spatial_shapes, level_start_index, padding_mask):
     """The shared body: projections, sampling locations, the core. `value`/`query` are [N, len, C]."""
-    heads, levels, points = _counts(module)
+    heads, levels, points = counts(module)
     n, len_q, _ = query.shape
     len_in = value.shape[1]
     value = module.value_proj(value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from d2export.ops import keypoints, rewrites
+from d2export.ops import keypoints, tensor_ops
 from d2export.patching.registry import register_patch
 
 
@@ -44,7 +44,7 @@ def split_whole(tensor, split_size_or_sections, dim=0):
 def bitmask_boxes(self):
     from detectron2.structures import Boxes
 
-    return Boxes(rewrites.mask_boxes(self.tensor))
+    return Boxes(tensor_ops.mask_boxes(self.tensor))
 
 
 # --- torch.export: detectron2's per-image code, where torch.export reads data-dependent sizes ------------------------

@@ -31,9 +31,9 @@ from typing import Any, Iterable
 import numpy as np
 from fsspec.utils import glob_translate
 
-from d2export.commandline import parser
+from d2export.argparsing import parser
 from d2export.manifest import manifest_path
-from d2export.runtime.images import IMAGE_SUFFIXES, decode_image
+from d2export.runtime.image_decoding import IMAGE_SUFFIXES, decode_image
 from d2export.runtime.predictor import (PROVIDERS, Prepared, Processing, ProviderUnavailable,
                                         add_predictor_arguments, load_manifest, resolve_providers)
 

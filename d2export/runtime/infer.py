@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from d2export.commandline import parser
-from d2export.runtime.images import IMAGE_SUFFIXES, BadImage, read_image
+from d2export.argparsing import parser
+from d2export.runtime.image_decoding import IMAGE_SUFFIXES, BadImage, read_image
 from d2export.runtime.predictor import ProviderUnavailable, add_predictor_arguments, predictor_from_args
 
 

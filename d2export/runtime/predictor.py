@@ -17,13 +17,13 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from d2export import families
-from d2export.imaging import pad_batch, resize_shortest_edge, resized_shape
+from d2export.resizing import pad_batch, resize_shortest_edge, resized_shape
 from d2export.instances import Instance, Prediction, TextInstance  # noqa: F401 - the runtime's public types
 from d2export.manifest import Manifest, manifest_path, sha256_file
-from d2export.runtime import custom_ops
+from d2export.kernels import custom_ops
 from d2export.runtime.bound_runs import BoundRuns
-from d2export.runtime.images import UnusableImage
-from d2export.runtime.session_cache import create_session
+from d2export.runtime.image_decoding import UnusableImage
+from d2export.runtime.optimized_cache import create_session
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 PIXEL_FORMATS = ("RGB", "BGR")

@@ -34,8 +34,8 @@ from typing import AsyncIterator, Iterator
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from d2export.commandline import parser
-from d2export.runtime.images import MAX_PIXELS, BadImage, ImageTooLarge, decode_image
+from d2export.argparsing import parser
+from d2export.runtime.image_decoding import MAX_PIXELS, BadImage, ImageTooLarge, decode_image
 from d2export.runtime.maps import prediction_json
 from d2export.runtime.predictor import (Prediction, Predictor, Prepared, ProviderUnavailable, equal_size_groups,
                                         add_predictor_arguments, predictor_from_args)

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from d2export.commandline import parser
+from d2export.argparsing import parser
 from d2export.manifest import Manifest, TensorSpec, manifest_path
 
 TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
@@ -148,7 +148,7 @@ OP_LIBRARY = "libd2export_msda.so"  # the native operator library's name in a mo
 def operator_library(manifest: Manifest, model_path: Path) -> str | None:
     """The native custom-op library a model's graph needs in Triton (None: it needs none), or a ValueError saying
     why it cannot be had here: Triton's onnxruntime backend loads C libraries, not d2export's numba kernel."""
-    from d2export.runtime import custom_ops
+    from d2export.kernels import custom_ops
 
     if not manifest.custom_ops:
         return None

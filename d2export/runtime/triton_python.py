@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from d2export.manifest import Manifest
-from d2export.runtime.images import BadImage, decode_image
+from d2export.runtime.image_decoding import BadImage, decode_image
 from d2export.runtime.maps import prediction_json
 from d2export.runtime.predictor import Processing
 

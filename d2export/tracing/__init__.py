@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 from torch import nn
 
-from d2export.imaging import synthetic_image
+from d2export.resizing import synthetic_image
 
 
 def dummy_images(sizes: Sequence[Sequence[int]], seed: int = 0) -> list[np.ndarray]:

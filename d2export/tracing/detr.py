@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from d2export.imaging import pad_batch
+from d2export.resizing import pad_batch
 
 INPUT_NAMES = ("images", "image_sizes")
 

@@ -11,7 +11,7 @@ With `export.postprocess=graph` the graph also holds each task's results (d2expo
 reference outputs are that same work on the head's captured outputs (what the graph is compared with, tensor by
 tensor, its near-ties pinned), and what serving makes of them (d2export/families/_masks.py `graph_prediction`) is
 held to what the model's own `semantic_inference`, `panoptic_inference` and `instance_inference` returned inside
-that forward (`own_results`; d2export/exporting/served_masks.py): a wrong rule in the traced code refuses the export
+that forward (`own_results`; d2export/verification/served_masks.py): a wrong rule in the traced code refuses the export
 instead of passing as its own reference.
 """
 from __future__ import annotations

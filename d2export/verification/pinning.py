@@ -21,7 +21,7 @@ from unittest import mock
 
 import numpy as np
 
-from d2export.exporting import near_ties
+from d2export.verification import near_ties
 
 
 @dataclass(frozen=True)

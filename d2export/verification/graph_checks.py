@@ -1,6 +1,6 @@
 """Verification of a staged graph against eager PyTorch, every precision in one place: the float32 graph, each output
-within its kind's tolerance (`verify.Float32`); its float16 or int8 conversion, held to that precision's own
-tolerances (`verify.Reduced`); on a failed case, the graph's near-tied selections pinned on eager (pinning.py); on a
+within its kind's tolerance (`comparison.Float32`); its float16 or int8 conversion, held to that precision's own
+tolerances (`comparison.Reduced`); on a failed case, the graph's near-tied selections pinned on eager (pinning.py); on a
 float32 failure, the parity ladder's first diverging module (ladder.py). The pipeline chooses what to verify and
 hands a `Subject` over; nothing here calls back into it, and nothing is written if a graph is refused."""
 from __future__ import annotations
@@ -16,12 +16,12 @@ import torch
 
 from d2export import progress
 from d2export.config import D2ExportConfig
-from d2export.exporting import pinning, served_masks, sessions, verify
-from d2export.exporting.ladder import ROOT, run_ladder
+from d2export.verification import pinning, served_masks, check_sessions, comparison
+from d2export.verification.ladder import ROOT, run_ladder
 from d2export.exporting.onnx_export import export_scope, traced_sizes
-from d2export.exporting.pictures import picture_at, picture_files
+from d2export.verification.pictures import picture_at, picture_files
 from d2export.manifest import Manifest, graph_specs
-from d2export.stages import describe
+from d2export.stage_errors import describe
 from d2export.tracing import dummy_images, graph_inputs
 
 log = logging.getLogger("d2export")
@@ -35,7 +35,7 @@ class Subject:
 
     built: object
     path: Path
-    cases: Sequence[verify.Case]
+    cases: Sequence[comparison.Case]
 
     @property
     def output_names(self) -> list[str]:
@@ -78,7 +78,7 @@ class _RefusedAt(Exception):
         self.group, self.error = group, error
 
 
-def verification_cases(built) -> list[verify.Case]:
+def verification_cases(built) -> list[comparison.Case]:
     """The cases at the verification sizes (`_cases_at`). Where the model's own code refuses one of the default
     sizes with its own size error (ViTAEv2 runs only at multiples of 32), the least of DIVISIBILITIES it runs at is
     found, the cases are made at the sizes rounded up to it, and `built.size_divisibility` says it (the manifest
@@ -135,7 +135,7 @@ def _divisibility(built, group: list[tuple[int, int]], above: int, error: BaseEx
     raise error
 
 
-def _cases_at(built, sizes: list[tuple[int, int]], refusal: bool = False) -> list[verify.Case]:
+def _cases_at(built, sizes: list[tuple[int, int]], refusal: bool = False) -> list[comparison.Case]:
     """One case per verification size (and a batch of two where the graph takes one), with eager's outputs: computed
     before any export-time patch, they are the independent side. The pictures are synthetic (bars, strokes, noise),
     or with `verify.pictures` the model's own, one after another, each stretched to its case's size. `refusal`: a
@@ -171,31 +171,31 @@ def _cases_at(built, sizes: list[tuple[int, int]], refusal: bool = False) -> lis
             raise
         if own is not None:
             served_masks.hold(built, expected, images, own)
-        cases.append(verify.Case(name, graph_inputs(built.adapter, images), expected, images))
+        cases.append(comparison.Case(name, graph_inputs(built.adapter, images), expected, images))
     return cases
 
 
 VERIFY_KEYS = {"float16": "fp16", "int8": "int8"}  # a reduced precision → the prefix of its verify.* tolerances
 
 
-def float32_tolerances(cfg: D2ExportConfig) -> verify.Float32:
+def float32_tolerances(cfg: D2ExportConfig) -> comparison.Float32:
     """What a float32 graph of this config is held to (`verify.atol`, `rtol`, `pixel_atol`, `max_mismatch`)."""
     v = cfg.verify
-    return verify.Float32(v.atol, v.rtol, v.pixel_atol, v.max_mismatch)
+    return comparison.Float32(v.atol, v.rtol, v.pixel_atol, v.max_mismatch)
 
 
-def reduced_tolerances(cfg: D2ExportConfig, precision: str = "float16") -> verify.Reduced:
+def reduced_tolerances(cfg: D2ExportConfig, precision: str = "float16") -> comparison.Reduced:
     """What a float16 or int8 graph of this config is held to (`verify.fp16_*` or `verify.int8_*`,
     `verify.confident`, top-K)."""
     v, key = cfg.verify, VERIFY_KEYS[precision]
     tol = [getattr(v, f"{key}_{name}") for name in ("atol", "rtol", "pixel_atol", "pixel_rtol", "max_mismatch")]
-    return verify.Reduced(precision, *tol, v.confident, v.top_k, v.min_top_k_agreement)
+    return comparison.Reduced(precision, *tol, v.confident, v.top_k, v.min_top_k_agreement)
 
 
 def _reduced_settings(cfg: D2ExportConfig, precision: str) -> str:
     """The config keys behind a reduced precision's tolerances, for a refusal's message."""
     v, key = cfg.verify, VERIFY_KEYS[precision]
-    return ", ".join(f"verify.{key}_{n}={getattr(v, f'{key}_{n}')}" for n in ("atol", "rtol", "pixel_atol",
+    return ", ".join(f"comparison.{key}_{n}={getattr(v, f'{key}_{n}')}" for n in ("atol", "rtol", "pixel_atol",
                                                                                "pixel_rtol"))
 
 
@@ -205,24 +205,24 @@ def verify_float32(subject: Subject) -> dict:
     parity ladder's first diverging module and the near-tied selections of the failed cases."""
     built, tol = subject.built, float32_tolerances(subject.built.cfg)
     progress.step(5, "verifying with onnxruntime", f"{len(subject.cases)} cases")
-    session = sessions.session(subject.path, built.cfg.verify.providers)
-    copy = sessions.selecting_copy(subject.path)  # opened only if a case fails
+    session = check_sessions.session(subject.path, built.cfg.verify.providers)
+    copy = check_sessions.selecting_copy(subject.path)  # opened only if a case fails
     results, pinned = _float32_results(subject, session, copy)
-    log.info("verification:\n%s", verify.format_table(results))
-    summary = verify.summarise(results) | {
+    log.info("verification:\n%s", comparison.format_table(results))
+    summary = comparison.summarise(results) | {
         "atol": tol.atol, "rtol": tol.rtol, "pixel_atol": tol.pixel_atol,
         "tolerances": {kind: {"atol": a, "rtol": r} for kind, (a, r) in tol.by_kind().items()},
-        "output_kinds": {n: verify.output_kind(n, built.family.output_kinds) for n in subject.output_names}
-    } | sessions.ran_on(session, subject.path)
+        "output_kinds": {n: comparison.output_kind(n, built.family.output_kinds) for n in subject.output_names}
+    } | check_sessions.ran_on(session, subject.path)
     if pinned:
         summary["pinned"] = [p.to_dict() for p in pinned]
     if built.cfg.verify.ladder or not summary["passed"]:
         summary["ladder"] = _ladder_summary(built)
     try:
-        verify.check(results)
-    except verify.VerificationError as e:
-        ties = sessions.near_ties_lines(copy, subject.cases, results, "float32")
-        raise verify.VerificationError(f"{e}{_culprit_line(summary['ladder'])}{pinning.unpinned_lines(summary)}"
+        comparison.check(results)
+    except comparison.VerificationError as e:
+        ties = check_sessions.near_ties_lines(copy, subject.cases, results, "float32")
+        raise comparison.VerificationError(f"{e}{_culprit_line(summary['ladder'])}{pinning.unpinned_lines(summary)}"
                                        f"{ties}") from None
     return summary
 
@@ -233,11 +233,11 @@ def _float32_results(subject: Subject, session, copy) -> tuple[list, list]:
     built, tol = subject.built, float32_tolerances(subject.built.cfg)
     kinds, sorted_by = built.family.output_kinds, built.family.sorted_by
     per_output = tol.per_output(subject.output_names, kinds)
-    results = verify.run_cases(session, subject.output_names, subject.cases, tol.atol, tol.rtol, tol.max_mismatch,
+    results = comparison.run_cases(session, subject.output_names, subject.cases, tol.atol, tol.rtol, tol.max_mismatch,
                                sorted_by, per_output)
 
     def judge(case, expected, actual):
-        compared = verify.compare_case(case, expected, actual, tol.atol, tol.rtol, tol.max_mismatch, sorted_by,
+        compared = comparison.compare_case(case, expected, actual, tol.atol, tol.rtol, tol.max_mismatch, sorted_by,
                                        per_output)
         return compared, all(c.ok for c in compared)
 
@@ -314,17 +314,17 @@ def check_below_minimums(subject: Subject, min_sizes: dict[str, int]) -> dict:
                                    f"({', '.join(k.__name__ for k in SIZE_ERRORS)} raised in its code)") from e
             eager_fails = line
             break
-        cases.append(verify.Case(f"{h}x{w}", graph_inputs(built.adapter, images), expected, images))
+        cases.append(comparison.Case(f"{h}x{w}", graph_inputs(built.adapter, images), expected, images))
     failed = None
     if cases:
         below = Subject(built, subject.path, cases)
-        results, _ = _float32_results(below, sessions.session(subject.path, built.cfg.verify.providers),
-                                      sessions.selecting_copy(subject.path))
+        results, _ = _float32_results(below, check_sessions.session(subject.path, built.cfg.verify.providers),
+                                      check_sessions.selecting_copy(subject.path))
         failed = next((c.name for c in cases if not all(r.ok for r in results if r.case == c.name)), None)
         verdict = ("the graph agrees: served at any size" if failed is None else
                    f"the graph differs at {failed}: the runtime pads smaller pictures up to the minimums")
         log.log(logging.INFO if failed is None else logging.WARNING, "below torch.export's minimums %s, %s:\n%s",
-                min_sizes, verdict, verify.format_table(results))
+                min_sizes, verdict, comparison.format_table(results))
     return {"tried": [c.name for c in cases], "held": bool(cases) and failed is None, "failed": failed,
             "eager_fails": eager_fails}
 
@@ -342,7 +342,7 @@ def _culprit_line(ladder_summary: dict) -> str:
 
 
 def _pin_selections(subject: Subject, copy, failed_names: set, judge, tolerances: pinning.Tolerances) -> list:
-    """The failed cases again with the graph's near-tied selections (read off `copy`, sessions.selecting_copy) imposed
+    """The failed cases again with the graph's near-tied selections (read off `copy`, check_sessions.selecting_copy) imposed
     on eager (exporting/pinning.py), its candidate values held to `tolerances` (those of the outputs);
     `judge(case, expected, actual)` → (comparisons, whether the case passes), by the precision's own rules."""
     failed = [c for c in subject.cases if c.images is not None and c.name in failed_names]
@@ -420,41 +420,41 @@ def _verify_reduced(subject: Subject, precision: str) -> dict:
     detections the same, near-tied selections pinned where float noise explains them; or VerificationError."""
     cfg, path, cases, names = subject.built.cfg, subject.path, subject.cases, subject.output_names
     tol, kinds = reduced_tolerances(cfg, precision), subject.built.family.output_kinds
-    session = sessions.session(path, cfg.verify.providers, precision)
-    copy = sessions.selecting_copy(path)  # opened only if a case fails
-    summary = verify.run_reduced_precision(session, names, cases, tol, kinds)
+    session = check_sessions.session(path, cfg.verify.providers, precision)
+    copy = check_sessions.selecting_copy(path)  # opened only if a case fails
+    summary = comparison.run_reduced_precision(session, names, cases, tol, kinds)
     if not summary["passed"]:
-        results = [verify.Comparison(**c) for c in summary["cases"]]
+        results = [comparison.Comparison(**c) for c in summary["cases"]]
         agreements = dict(summary["case_agreement"])
         weak = {c for c, a in agreements.items() if a < tol.min_agreement}
 
         def judge(case, expected, actual):
-            compared, agreements[case] = verify.compare_reduced_case(case, expected, actual, tol, kinds)
+            compared, agreements[case] = comparison.compare_reduced_case(case, expected, actual, tol, kinds)
             return compared, all(c.ok for c in compared) and agreements[case] >= tol.min_agreement
 
         failed = weak | {r.case for r in results if not r.ok}
         pinned = _pin_selections(subject, copy, failed, judge,
                                  pinning.Tolerances(tol.atol, tol.rtol, tol.atol, tol.max_mismatch))
         if pinned:
-            summary = verify.reduced_summary(pinning.with_pinned(results, pinned), agreements, tol)
+            summary = comparison.reduced_summary(pinning.with_pinned(results, pinned), agreements, tol)
             summary["pinned"] = [p.to_dict() for p in pinned]
-    summary |= sessions.ran_on(session, path)
+    summary |= check_sessions.ran_on(session, path)
     at_cut = sum(c.get("at_cut", 0) for c in summary["cases"] if c["output"] == "scores")
     log.info("%s verification (top-%d agreement %.2f; %d detection(s) came and went at the lists' cut):\n%s",
              tol.precision, tol.top_k, summary["top_k_agreement"], at_cut,
-             verify.format_table([verify.Comparison(**c) for c in summary["cases"]]))
+             comparison.format_table([comparison.Comparison(**c) for c in summary["cases"]]))
     if not summary["passed"]:
-        failed = [verify.Comparison(**c) for c in summary["cases"] if not c["ok"]]
+        failed = [comparison.Comparison(**c) for c in summary["cases"] if not c["ok"]]
         why = [f"{len(failed)} output(s) past their kind's tolerance ({_reduced_settings(cfg, precision)}; ids "
                f"equal) in a detection scoring {tol.confident} or more (verify.confident), or on more than "
                f"{tol.max_mismatch:g} of the rest"] if failed else []
         if summary["top_k_agreement"] < tol.min_agreement:
             why.append(f"top-{tol.top_k} agreement {summary['top_k_agreement']:.2f} < verify.min_top_k_agreement="
                        f"{tol.min_agreement}")
-        raise verify.VerificationError(
+        raise comparison.VerificationError(
             f"the {tol.precision} graph disagrees with eager PyTorch: {'; '.join(why)}\n"
-            f"{verify.format_table(failed)}{pinning.unpinned_lines(summary)}"
-            f"{sessions.near_ties_lines(copy, cases, failed, tol.precision)}")
+            f"{comparison.format_table(failed)}{pinning.unpinned_lines(summary)}"
+            f"{check_sessions.near_ties_lines(copy, cases, failed, tol.precision)}")
     return summary
 
 

@@ -1,6 +1,6 @@
 // d2export's fused MSDA operator (d2export.MultiScaleDeformableAttention) for onnxruntime's CUDA execution provider.
 //
-// Built by setup.py into d2export/runtime/_msda_cuda*.so together with msda_op.cc (the CPU kernel, whose
+// Built by setup.py into d2export/kernels/_msda_cuda*.so together with msda_op.cc (the CPU kernel, whose
 // RegisterCustomOps adds these ops to the same domain) where nvcc exists, with cudart linked statically. Nothing here
 // runs at load or registration: the ops are plain structs, so the library loads into a CPU-only onnxruntime on a
 // machine without a GPU or a driver, and only a CUDA session's Compute calls into CUDA.

@@ -30,9 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from d2export.exporting import near_ties, pinning, sessions
+from d2export.verification import near_ties, pinning, check_sessions
 from d2export.exporting.onnx_export import export_onnx
-from d2export.exporting.verify import difference
+from d2export.verification.comparison import difference
 from d2export.tracing import graph_inputs, torch_inputs
 
 Key = tuple  # (module path, call index, where the tensor sits in the call's output: "", "[1]", "['pred_logits']")
@@ -44,7 +44,7 @@ def default_rungs(root: nn.Module, depth: int = 3) -> list[str]:
     """Paths of the modules worth a row: those at most `depth` below `root`, every element of a ModuleList
     (encoder/decoder layers, input projections, per-layer heads), every child of a detectron2 backbone (its
     stages) and every MSDA. A shared module is listed once, under its first path in `named_modules()`."""
-    from d2export.patching.msda_swap import is_msda
+    from d2export.ops.msda_modules import is_msda
 
     canonical = {id(m): p for p, m in root.named_modules()}
     chosen: set[int] = set()
@@ -356,7 +356,7 @@ def run_ladder(adapter: nn.Module, settings, scope: Callable[[], ContextManager]
         result = export_onnx(wrapper, args, Path(tmp) / "ladder.onnx", input_names=adapter.input_names,
                              output_names=list(adapter.output_names) + names, dynamic_axes=axes,
                              opset=settings.opset, exporter=settings.exporter)
-        options = sessions.session_options(result.path)
+        options = check_sessions.session_options(result.path)
         options.log_severity_level = 3  # a run that fails is reported below, not logged twice
         session, selections = near_ties.selecting_session(result.path, options, providers)
     warns = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0]}" for w in result.tracer_warnings]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from d2export.ops import level_shapes
-from d2export.ops import rewrites as ops
+from d2export.ops import tensor_ops as ops
 from d2export.patching.registry import Needs, register_patch
 
 TENSORRT = ("tensorrt",)

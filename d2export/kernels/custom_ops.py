@@ -3,7 +3,7 @@
 A graph exported with `export.sampler=fused` holds one `d2export.MultiScaleDeformableAttention` node per MSDA call
 (inputs value, spatial_shapes, level_start_index, sampling_locations, attention_weights; output [N, Lq, M*D]). Two
 kernels compute it on the CPU, the same way:
-- "native": a C++ custom-op library (d2export/runtime/native) that setup.py builds beside this module where a compiler
+- "native": a C++ custom-op library (d2export/kernels/native) that setup.py builds beside this module where a compiler
   exists; onnxruntime loads it and runs it on the session's own intra-op threads. Where nvcc was found too, setup.py
   builds the same library with a CUDA kernel beside the CPU one (`_msda_cuda*`), registered instead: a CPU session
   still runs the CPU kernel ("native"), a session on onnxruntime's CUDA provider runs the CUDA one ("cuda"). Both
@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple
 
-from d2export.runtime import cuda_build
+from d2export.kernels import cuda_build
 
 DOMAIN = "d2export"
 FUSED_MSDA = "MultiScaleDeformableAttention"
@@ -35,8 +35,8 @@ KNOWN = (FUSED_MSDA_ID,)
 EXTRA_HINT = "pip install 'd2export[fused]'"
 KERNEL_ENV = "D2EXPORT_MSDA_KERNEL"
 KERNELS = ("native", "numba")
-NATIVE_NAME = "_msda_native"  # setup.py's Extension d2export.runtime._msda_native
-CUDA_NAME = "_msda_cuda"  # setup.py's Extension d2export.runtime._msda_cuda: the same library plus the CUDA kernel
+NATIVE_NAME = "_msda_native"  # setup.py's Extension d2export.kernels._msda_native
+CUDA_NAME = "_msda_cuda"  # setup.py's Extension d2export.kernels._msda_cuda: the same library plus the CUDA kernel
 CUDA_PROVIDER = "CUDAExecutionProvider"
 
 
@@ -212,12 +212,12 @@ def _define(native_built: bool = False) -> str:
         native = "" if native_built else " (or reinstall d2export where a C++ compiler exists, for its native kernel)"
         raise MissingExtra(f"this model uses d2export's fused MSDA operator ({FUSED_MSDA_ID}), which needs the "
                            f"'fused' extra ({e.name} is not installed): {EXTRA_HINT}{native}") from None
-    from d2export.runtime import msda_kernel
+    from d2export.kernels import numba_msda
 
     def fused_msda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
         if _threads:
-            msda_kernel.numba.set_num_threads(min(_threads, msda_kernel.numba.config.NUMBA_NUM_THREADS))
-        return msda_kernel.msda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+            numba_msda.numba.set_num_threads(min(_threads, numba_msda.numba.config.NUMBA_NUM_THREADS))
+        return numba_msda.msda(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
     f, i64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int64
     op = onnx_op(op_type=f"{DOMAIN}::{FUSED_MSDA}", inputs=[f, i64, i64, f, f], outputs=[f])(fused_msda)

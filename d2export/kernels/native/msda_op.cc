@@ -1,7 +1,7 @@
 // d2export's fused MSDA operator (d2export.MultiScaleDeformableAttention) as a native onnxruntime custom-op library.
 //
 // onnxruntime loads it with SessionOptions.register_custom_ops_library(path) (C++: RegisterCustomOpsLibrary) and
-// calls RegisterCustomOps. It computes what d2export/runtime/msda_kernel.py (numba) computes: exact bilinear sampling
+// calls RegisterCustomOps. It computes what d2export/kernels/numba_msda.py (numba) computes: exact bilinear sampling
 // with zero padding and align_corners=False, as Deformable-DETR's CUDA op; corners outside a level weigh 0; a point
 // whose whole footprint is outside (or NaN) contributes nothing; pixel coordinates in double, each output row
 // accumulated in float. Rows (image, query) run on the session's intra-op threads (KernelContext_ParallelFor), so the
@@ -111,7 +111,7 @@ inline void blend4(float* __restrict acc, const T* __restrict a, const T* __rest
 // Built for the default x86-64 target (the library may move between CPUs), the D loop would get 4-float SSE vectors
 // only; GCC and clang clone the row's code for AVX-512 and for x86-64-v3 (AVX2 with FMA, which the sampling's fmaf
 // needs to be one instruction) and pick one when the library loads. Every clone computes the same bits: the header's
-// multiply-adds are explicit and nothing else is contracted (d2export/runtime/native_build.py). D2_NO_CLONES: one
+// multiply-adds are explicit and nothing else is contracted (d2export/kernels/native_build.py). D2_NO_CLONES: one
 // build for the -march given, as the tests build each clone's level.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__) && !defined(D2_NO_CLONES)
 #define D2_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from d2export.runtime import custom_ops
+from d2export.kernels import custom_ops
 
 
 def session_options(path: Path):
@@ -46,7 +46,7 @@ def selecting_copy(path: Path):
     """The graph's copy that exposes its selections (near_ties.SelectingCopy), on the sessions' options (made when it
     opens: they read the file for its custom operators): one per verification, shared by its pinning and its near-tie
     lines."""
-    from d2export.exporting import near_ties
+    from d2export.verification import near_ties
 
     return near_ties.SelectingCopy(path, lambda: session_options(path))
 
@@ -54,7 +54,7 @@ def selecting_copy(path: Path):
 def near_ties_lines(copy, cases, results, precision: str) -> str:
     """For a failed verification: the selections of the graph `copy` opens that are near-tied on the failing cases
     ('' if none)."""
-    from d2export.exporting import near_ties
+    from d2export.verification import near_ties
 
     failed = {r.case for r in results if not r.ok}
     found = near_ties.describe(copy, [c for c in cases if c.name in failed], precision)

@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from d2export.exporting.verify import VerificationError
+from d2export.verification.comparison import VerificationError
 
 log = logging.getLogger("d2export")
 

@@ -1,15 +1,16 @@
 """Registered export-time patches for deformable-attention detectors: the MSDA core and the AdelaiDet-lineage
-size-general rewrites (see adet_family.py). They are needed for every target: without them a trace bakes sizes."""
+size-general rewrites (see detr_sizes.py). They are needed for every target: without them a trace bakes sizes."""
 from __future__ import annotations
 
 import torch
 
-from d2export.ops import level_shapes
-from d2export.patching import adet_family, msda_swap
+from d2export.ops import detr_sizes, level_shapes
+from d2export.ops.msda_modules import is_msda
+from d2export.patching import msda_swap
 from d2export.patching.registry import forward_args, module_where, register_patch
 
 
-register_patch("msda-core", module=module_where(msda_swap.is_msda),
+register_patch("msda-core", module=module_where(is_msda),
                why="compiled MSDA op: no CPU kernel, cannot be traced; the swap also drops a value-dependent assert",
                )(msda_swap.forward)
 
@@ -27,23 +28,23 @@ def _is_level_list(data) -> bool:
     return all(isinstance(x, (list, tuple)) and len(x) == 2 for x in data)
 
 
-register_patch("padding-mask-from-sizes", module=module_where(adet_family.has_mask_out_padding),
+register_patch("padding-mask-from-sizes", module=module_where(detr_sizes.has_mask_out_padding),
                method="mask_out_padding",
                why="per-image int(np.ceil(h / stride)) bakes the dummy's image sizes into the padding masks",
-               )(adet_family.mask_out_padding)
+               )(detr_sizes.mask_out_padding)
 
 
-@register_patch("reference-points-per-level", module=module_where(adet_family.has_reference_points),
+@register_patch("reference-points-per-level", module=module_where(detr_sizes.has_reference_points),
                 method="get_reference_points",
                 why="linspace over Python-int level sizes bakes the encoder's reference points")
 def get_reference_points(self, spatial_shapes, valid_ratios, device):  # a static method upstream: no self there
-    return adet_family.get_reference_points(spatial_shapes, valid_ratios, device)
+    return detr_sizes.get_reference_points(spatial_shapes, valid_ratios, device)
 
 
-register_patch("encoder-proposals-per-level", module=module_where(adet_family.has_encoder_proposals),
+register_patch("encoder-proposals-per-level", module=module_where(detr_sizes.has_encoder_proposals),
                method="gen_encoder_output_proposals",
                why="linspace and view over Python-int level sizes bake the two-stage encoder proposals",
-               )(adet_family.gen_encoder_output_proposals)
+               )(detr_sizes.gen_encoder_output_proposals)
 
 
 register_patch("encoder-proposals-free-function",
@@ -51,7 +52,7 @@ register_patch("encoder-proposals-free-function",
                               for m in ("utils.utils", "modeling.transformer_decoder.maskdino_decoder")),
                why="MaskDINO's two-stage proposals read each level's size out of spatial_shapes (data under "
                    "torch.export: slicing by it fails) and linspace over it",
-               )(adet_family.encoder_proposals)
+               )(detr_sizes.encoder_proposals)
 
 
 def is_encoder_only(module) -> bool:

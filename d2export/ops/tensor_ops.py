@@ -2,7 +2,7 @@
 
 Each function computes what the torch operator computes, from operators every opset >= 11 exports (most from
 opset 9), vectorised over any leading batch dimensions, with shapes read at trace time so dynamic axes stay dynamic.
-`d2export.patching.rewrites` registers them as patches; which targets need which is recorded there.
+`d2export.patching.operator_patches` registers them as patches; which targets need which is recorded there.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from d2export.exporting.verify import VerificationError
+from d2export.verification.comparison import VerificationError
 from d2export.families._text import own_visualizer
 
 log = logging.getLogger("d2export")
@@ -70,7 +70,7 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
     import torch
 
     from d2export.charset import decode
-    from d2export.exporting import sessions
+    from d2export.verification import check_sessions
     from d2export.runtime.predictor import Prepared, Processing
 
     post = manifest.postprocess
@@ -89,7 +89,7 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
             log.warning("served words not checked against the model's own reading: %s", where)
     charsets = post.get("charsets") or {None: post.get("charset", "")}
     processing = Processing(manifest)
-    session = sessions.session(model_path, built.cfg.verify.providers)
+    session = check_sessions.session(model_path, built.cfg.verify.providers)
     words = ties = instances = 0
     worst = 0.0
     problems: list[str] = []

@@ -64,7 +64,7 @@ def optimized(path: Path) -> onnx.ModelProto:
     its providers partition. Computed on the CPU provider, with the custom operators the graph needs."""
     import onnxruntime as ort
 
-    from d2export.exporting.sessions import session_options
+    from d2export.verification.check_sessions import session_options
 
     options = session_options(Path(path))
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC

@@ -6,7 +6,7 @@
 // widened exactly to float and every sum is a float; a float16 output is that float rounded once (to nearest even).
 // Fused multiply-adds are written out (fma, fmaf: one rounding, the same on every CPU and GPU) and the compilers may
 // contract nothing else (-ffp-contract=off, nvcc -fmad=false), so every build and every clone of the CPU kernel, and
-// the CUDA kernel, round alike: the same bits (d2export/runtime/native_build.py).
+// the CUDA kernel, round alike: the same bits (d2export/kernels/native_build.py).
 #pragma once
 
 #include <math.h>
