@@ -102,18 +102,18 @@ def load_config(model: ModelConfig, root: Path, device: str = "cpu") -> Any:
 
 def load_d2_config(model: ModelConfig, root: Path, device: str = "cpu") -> Any:
     path = d2_config_path(model.d2_config, root)
-    cfg = _call_path(model.cfg_factory)()
+    d2cfg = _call_path(model.cfg_factory)()
     for adder in model.cfg_adders:
-        _call_path(adder, "model.cfg_adders")(cfg)
+        _call_path(adder, "model.cfg_adders")(d2cfg)
     try:
-        cfg.merge_from_file(str(path))
-        cfg.merge_from_list(list(model.opts))
+        d2cfg.merge_from_file(str(path))
+        d2cfg.merge_from_list(list(model.opts))
     except (KeyError, ValueError, AssertionError) as e:
         raise UserError(f"model.d2_config {path.name}: {e}") from e
-    cfg.MODEL.DEVICE = device  # TESTR-style models keep it and move their inputs there
-    cfg.MODEL.WEIGHTS = ""
-    cfg.freeze()
-    return cfg
+    d2cfg.MODEL.DEVICE = device  # TESTR-style models keep it and move their inputs there
+    d2cfg.MODEL.WEIGHTS = ""
+    d2cfg.freeze()
+    return d2cfg
 
 
 def charset_search(model: ModelConfig, root: Path) -> list[Path]:

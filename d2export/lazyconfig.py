@@ -17,11 +17,11 @@ class LazyConfigError(ValueError):
     """A LazyConfig file that cannot be loaded, overridden or read: reported in one line."""
 
 
-def is_lazy(cfg: Any) -> bool:
+def is_lazy(d2cfg: Any) -> bool:
     """A LazyConfig (an omegaconf DictConfig with a `model` node) rather than a yacs CfgNode."""
     from omegaconf import DictConfig
 
-    return isinstance(cfg, DictConfig) and "model" in cfg
+    return isinstance(d2cfg, DictConfig) and "model" in d2cfg
 
 
 def load(path: Path, overrides: Sequence[str] = ()) -> Any:
@@ -31,15 +31,15 @@ def load(path: Path, overrides: Sequence[str] = ()) -> Any:
         raise LazyConfigError(f"model.lazy_config: no such file: {path}")
     try:
         with checkout_configs(path):
-            cfg = LazyConfig.load(str(path))
-        cfg = LazyConfig.apply_overrides(cfg, list(overrides))
+            d2cfg = LazyConfig.load(str(path))
+        d2cfg = LazyConfig.apply_overrides(d2cfg, list(overrides))
     except Exception as e:  # noqa: BLE001 - the config is user code: any failure is the user's to fix
         raise LazyConfigError(f"model.lazy_config {path.name}: {type(e).__name__}: {e}".replace("\n", " ")) from e
-    if "model" not in cfg:
+    if "model" not in d2cfg:
         raise LazyConfigError(f"model.lazy_config {path.name} defines no `model`")
-    if "device" in cfg.model:  # detrex models default to "cuda"; export runs on the CPU
-        cfg.model.device = "cpu"
-    return cfg
+    if "device" in d2cfg.model:  # detrex models default to "cuda"; export runs on the CPU
+        d2cfg.model.device = "cpu"
+    return d2cfg
 
 
 @contextlib.contextmanager
@@ -71,11 +71,11 @@ def checkout_configs(path: Path) -> Iterator[None]:
         yield
 
 
-def build(cfg: Any):
+def build(d2cfg: Any):
     from detectron2.config import instantiate
 
     try:
-        return instantiate(cfg.model)
+        return instantiate(d2cfg.model)
     except Exception as e:  # noqa: BLE001 - building runs the user's constructors
         raise LazyConfigError(f"instantiating the LazyConfig's model failed: {type(e).__name__}: {e}") from e
 
@@ -85,17 +85,17 @@ def _target_name(node: Any) -> str:
     return target if isinstance(target, str) else getattr(target, "__name__", "")
 
 
-def _test_mapper(cfg: Any) -> Any:
+def _test_mapper(d2cfg: Any) -> Any:
     try:
-        return cfg.dataloader.test.mapper
+        return d2cfg.dataloader.test.mapper
     except Exception:  # noqa: BLE001 - no dataloader section: the defaults below apply
         return {}
 
 
-def test_resize(cfg: Any) -> tuple[int, int]:
+def test_resize(d2cfg: Any) -> tuple[int, int]:
     """(shortest edge, longest-edge cap) of the ResizeShortestEdge among the test mapper's augmentations; (0, 0)
     (no resize) when there is none."""
-    for aug in _test_mapper(cfg).get("augmentation", None) or []:
+    for aug in _test_mapper(d2cfg).get("augmentation", None) or []:
         if _target_name(aug) == "ResizeShortestEdge":
             short = aug.get("short_edge_length")
             short = short[-1] if isinstance(short, Sequence) else short  # a test-time choice list holds one size
@@ -103,21 +103,21 @@ def test_resize(cfg: Any) -> tuple[int, int]:
     return 0, 0
 
 
-def preprocess(cfg: Any) -> dict[str, Any]:
+def preprocess(d2cfg: Any) -> dict[str, Any]:
     """The manifest's pre-processing from a LazyConfig (the yacs keys' meaning, read from where detrex puts them)."""
-    model = cfg.model
+    model = d2cfg.model
     if "pixel_mean" not in model or "pixel_std" not in model:
         raise LazyConfigError("the LazyConfig's model has no pixel_mean/pixel_std: cannot say how to normalise")
-    short, longest = test_resize(cfg)
-    return {"input_format": str(_test_mapper(cfg).get("img_format", "RGB")), "min_size_test": short,
+    short, longest = test_resize(d2cfg)
+    return {"input_format": str(_test_mapper(d2cfg).get("img_format", "RGB")), "min_size_test": short,
             "max_size_test": longest, "pixel_mean": [float(v) for v in model.pixel_mean],
             "pixel_std": [float(v) for v in model.pixel_std]}
 
 
-def class_names(cfg: Any) -> list[str] | None:
+def class_names(d2cfg: Any) -> list[str] | None:
     """thing_classes of the test dataset's metadata, where detectron2 knows the dataset; else None."""
     try:
-        names = cfg.dataloader.test.dataset.names
+        names = d2cfg.dataloader.test.dataset.names
     except Exception:  # noqa: BLE001 - no test dataset named
         return None
     from detectron2.data import MetadataCatalog  # importing detectron2.data registers the builtin datasets

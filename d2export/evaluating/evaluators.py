@@ -231,7 +231,7 @@ class SegmentationEvaluator(DatasetEvaluator):
         return results
 
 
-def build_evaluator(kind: str, dataset_name: str, post: dict[str, Any], tasks: tuple[str, ...], cfg: Any,
+def build_evaluator(kind: str, dataset_name: str, post: dict[str, Any], tasks: tuple[str, ...], d2cfg: Any,
                     output_dir: str, image_ids: list | None = None) -> DatasetEvaluator:
     """`kind`: "text", "coco" (over `tasks`, and only `image_ids` where given), "segmentation" (what the dataset's
     ground truth allows of mIoU, PQ and mask AP; see SegmentationEvaluator) or "module:Class" (the user's: given the
@@ -252,6 +252,6 @@ def build_evaluator(kind: str, dataset_name: str, post: dict[str, Any], tasks: t
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"--evaluator {kind!r} cannot be loaded: {e}") from None
-    offered = {"cfg": cfg, "distributed": False, "output_dir": output_dir, "tasks": tasks}
+    offered = {"cfg": d2cfg, "distributed": False, "output_dir": output_dir, "tasks": tasks}
     params = inspect.signature(cls).parameters
     return cls(dataset_name, **{k: v for k, v in offered.items() if k in params})

@@ -75,25 +75,25 @@ class Family:
         """None when `model` (a built detectron2 model) belongs to this family; else a short phrase of what it lacks."""
         raise NotImplementedError
 
-    def adapter(self, model, cfg, options: AdapterOptions):
+    def adapter(self, model, d2cfg, options: AdapterOptions):
         """The torch.nn.Module traced for export: named inputs → flat output tensors (see d2export/tracing)."""
         raise NotImplementedError
 
-    def preprocess(self, cfg) -> dict[str, Any]:
+    def preprocess(self, d2cfg) -> dict[str, Any]:
         """The manifest's pre-processing: detectron2's test-time transform, from a yacs config or a LazyConfig."""
         from d2export import lazyconfig
 
-        if lazyconfig.is_lazy(cfg):
-            return lazyconfig.preprocess(cfg)
-        return {"input_format": cfg.INPUT.FORMAT, "min_size_test": int(cfg.INPUT.MIN_SIZE_TEST),
-                "max_size_test": int(cfg.INPUT.MAX_SIZE_TEST), "pixel_mean": list(cfg.MODEL.PIXEL_MEAN),
-                "pixel_std": list(cfg.MODEL.PIXEL_STD)}
+        if lazyconfig.is_lazy(d2cfg):
+            return lazyconfig.preprocess(d2cfg)
+        return {"input_format": d2cfg.INPUT.FORMAT, "min_size_test": int(d2cfg.INPUT.MIN_SIZE_TEST),
+                "max_size_test": int(d2cfg.INPUT.MAX_SIZE_TEST), "pixel_mean": list(d2cfg.MODEL.PIXEL_MEAN),
+                "pixel_std": list(d2cfg.MODEL.PIXEL_STD)}
 
-    def postprocess(self, cfg) -> dict[str, Any]:
+    def postprocess(self, d2cfg) -> dict[str, Any]:
         """The manifest's post-processing section: what `instances` needs (threshold, charset, class names, …)."""
         return {}
 
-    def text_charset(self, cfg, override: str | None = None, search=(), model=None) -> dict[str, Any]:
+    def text_charset(self, d2cfg, override: str | None = None, search=(), model=None) -> dict[str, Any]:
         """The manifest's character set (`charset`, `charset_source`, `charset_sha256`) where the family reads text,
         from the model's own config or `override` (model.charset), else the table of the model's own code; {} where
         it reads none. Raises charset.CharsetError."""

@@ -31,27 +31,27 @@ OUTPUT_KINDS = {"boxes": "pixels", "scores": "probabilities", "labels": "ids", "
                 "keypoints": "pixels", "sem_seg": "logits"}  # keypoint scores ride with their coordinates
 
 
-def detection_postprocess(cfg, score_threshold: float, num_classes: str = "roi_heads") -> dict[str, Any]:
+def detection_postprocess(d2cfg, score_threshold: float, num_classes: str = "roi_heads") -> dict[str, Any]:
     """The manifest's post-processing: the model's own score threshold (the graph keeps every score), the mask
     layout, and the test dataset's class and keypoint names where detectron2's metadata knows them (and their count is
     the model's: `num_classes` names the config section saying it)."""
     post: dict[str, Any] = {"score_threshold": float(score_threshold), "mask_threshold": 0.5, "masks": MASKS_DOC}
-    meta = dataset_metadata(cfg)
+    meta = dataset_metadata(d2cfg)
     names = list(getattr(meta, "thing_classes", None) or [])
-    if names and len(names) == cfg.MODEL.get(num_classes.upper()).NUM_CLASSES:
+    if names and len(names) == d2cfg.MODEL.get(num_classes.upper()).NUM_CLASSES:
         post["class_names"] = names
     keypoint_names = list(getattr(meta, "keypoint_names", None) or [])
-    if cfg.MODEL.KEYPOINT_ON and len(keypoint_names) == cfg.MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS:
+    if d2cfg.MODEL.KEYPOINT_ON and len(keypoint_names) == d2cfg.MODEL.ROI_KEYPOINT_HEAD.NUM_KEYPOINTS:
         post["keypoint_names"] = keypoint_names
     return post
 
 
-def dataset_metadata(cfg):
+def dataset_metadata(d2cfg):
     """detectron2's metadata of the config's first test dataset (builtin COCO names register on import)."""
     import detectron2.data  # noqa: F401 - registers the builtin datasets' metadata
     from detectron2.data import MetadataCatalog
 
-    return MetadataCatalog.get(cfg.DATASETS.TEST[0]) if cfg.DATASETS.TEST else None
+    return MetadataCatalog.get(d2cfg.DATASETS.TEST[0]) if d2cfg.DATASETS.TEST else None
 
 
 def detection_instances(outputs: dict[str, np.ndarray], index: int, input_hw: tuple[int, int],

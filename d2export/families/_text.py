@@ -184,18 +184,18 @@ class TextSpotter(Family):
     def missing(self, model):
         return lacks(model, self.head)
 
-    def text_charset(self, cfg, override=None, search=(), model=None):
+    def text_charset(self, d2cfg, override=None, search=(), model=None):
         from d2export import charset
 
         if not self.reads_text:
             return {}
-        named = [(key, _config_value(cfg, key)) for key in self.charset_keys]
-        voc_size = int(cfg.MODEL.TRANSFORMER.VOC_SIZE)
+        named = [(key, _config_value(d2cfg, key)) for key in self.charset_keys]
+        voc_size = int(d2cfg.MODEL.TRANSFORMER.VOC_SIZE)
         try:
             found = charset.resolve(voc_size, named, override, list(search), self.built_in_first)
         except charset.NoCharset:
             # a table only the model's own code holds (MapTextPipeline's 148 symbols, in its visualizer)
-            found = own_table(model, cfg, search, voc_size) if model is not None else None
+            found = own_table(model, d2cfg, search, voc_size) if model is not None else None
             if found is None:
                 raise
         if not self.unknown_reads:
@@ -203,23 +203,23 @@ class TextSpotter(Family):
         return charset.Charset(found.chars + (self.unknown_reads,), found.source).manifest() | {
             "unknown_id": voc_size - 1}
 
-    def detr_adapter(self, model, cfg, decode, output_names, **decode_options):
+    def detr_adapter(self, model, d2cfg, decode, output_names, **decode_options):
         """The generic DETR adapter around the model's head: `decode(raw outputs, image_sizes, **decode_options)`."""
         from functools import partial
 
         from d2export.tracing.detr import DetrAdapter
 
         head = find_child(model, self.head)[0]
-        return DetrAdapter(model, head, partial(decode, **decode_options), output_names, cfg.MODEL.PIXEL_MEAN,
-                           cfg.MODEL.PIXEL_STD)
+        return DetrAdapter(model, head, partial(decode, **decode_options), output_names, d2cfg.MODEL.PIXEL_MEAN,
+                           d2cfg.MODEL.PIXEL_STD)
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):
         return text_instances(outputs, index, input_hw, original_hw, post, threshold)
 
 
-def _config_value(cfg, dotted: str) -> str:
+def _config_value(d2cfg, dotted: str) -> str:
     """A yacs key's value as a string ('' where the config lacks it)."""
-    node = cfg
+    node = d2cfg
     for part in dotted.split("."):
         if part not in node:
             return ""
@@ -227,12 +227,12 @@ def _config_value(cfg, dotted: str) -> str:
     return str(node or "")
 
 
-def own_table(model, cfg, search, voc_size: int):
+def own_table(model, d2cfg, search, voc_size: int):
     """The character table of the model's own visualizer (`CTLABELS`: characters or code points), where it has
     `voc_size - 1` of them; else None."""
     from d2export import charset
 
-    made, where = own_visualizer(model, cfg, search)
+    made, where = own_visualizer(model, d2cfg, search)
     table = getattr(made, "CTLABELS", None)
     if table is None or len(table) != voc_size - 1:
         return None

@@ -35,15 +35,15 @@ class DeepSolo(TextSpotter):
     head = HEAD
     built_in_first = True
 
-    def adapter(self, model, cfg, options: AdapterOptions):
+    def adapter(self, model, d2cfg, options: AdapterOptions):
         from d2export.families import find_child
 
         boundary = getattr(find_child(model, HEAD)[1], "boundary_offset", None) is not None
         names = OUTPUTS + (("bd_points",) if boundary else ()) + (("text_logits",) if options.text_logits else ())
-        return self.detr_adapter(model, cfg, decode, names, boundary=boundary, text_logits=options.text_logits)
+        return self.detr_adapter(model, d2cfg, decode, names, boundary=boundary, text_logits=options.text_logits)
 
-    def postprocess(self, cfg):
-        t = cfg.MODEL.TRANSFORMER
+    def postprocess(self, d2cfg):
+        t = d2cfg.MODEL.TRANSFORMER
         return text_postprocess(t, "centre_line", reads=True, ctc=True, num_chars=int(t.NUM_POINTS))
 
 
@@ -85,10 +85,10 @@ class DeepSoloPlus(DeepSolo):
     def missing(self, model):
         return TextSpotter.missing(self, model)
 
-    def adapter(self, model, cfg, options: AdapterOptions):
-        return self.detr_adapter(model, cfg, decode_plus, OUTPUTS + ("bd_points", "languages"))
+    def adapter(self, model, d2cfg, options: AdapterOptions):
+        return self.detr_adapter(model, d2cfg, decode_plus, OUTPUTS + ("bd_points", "languages"))
 
-    def text_charset(self, cfg, override=None, search=(), model=None):
+    def text_charset(self, d2cfg, override=None, search=(), model=None):
         """One dictionary per script, as its visualizer opens them: `char_map/idx2char/<Lang>.json` (from the
         working directory, else beside model.sys_path and the config's folders; model.charset= a folder holding
         them), each of its script's VOC_SIZES entries, 1-based (0 the blank)."""
@@ -98,7 +98,7 @@ class DeepSoloPlus(DeepSolo):
 
         from d2export import charset
 
-        lang = cfg.MODEL.TRANSFORMER.LANGUAGE
+        lang = d2cfg.MODEL.TRANSFORMER.LANGUAGE
         folder = Path(override) if override else Path("char_map/idx2char")
         charsets, paths = {}, []
         for name, voc_size in lang.VOC_SIZES:

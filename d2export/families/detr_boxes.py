@@ -45,17 +45,17 @@ class DetrBoxes(Family):
             return f"{type(model).__module__} defines no inverse_sigmoid (the box refinement's own)"
         return missed
 
-    def adapter(self, model, cfg, options: AdapterOptions):
+    def adapter(self, model, d2cfg, options: AdapterOptions):
         from d2export.tracing.detrex import DetrexAdapter, DetrexBody, top_k
 
-        pre = self.preprocess(cfg)
+        pre = self.preprocess(d2cfg)
         decode = partial(top_k, k=int(model.select_box_nums_for_evaluation))
         return DetrexAdapter(model, DetrexBody(model), decode, OUTPUTS, pre["pixel_mean"], pre["pixel_std"])
 
-    def postprocess(self, cfg):
+    def postprocess(self, d2cfg):
         from d2export import lazyconfig
 
-        names = lazyconfig.class_names(cfg) if lazyconfig.is_lazy(cfg) else None
+        names = lazyconfig.class_names(d2cfg) if lazyconfig.is_lazy(d2cfg) else None
         return {"score_threshold": SCORE_THRESHOLD, "boxes": "xyxy, input pixels", "class_names": names or []}
 
     def instances(self, outputs, index, input_hw, original_hw, post, threshold):

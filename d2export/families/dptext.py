@@ -33,11 +33,11 @@ class DPTextDETR(TextSpotter):
     head = HEAD
     reads_text = False
 
-    def adapter(self, model, cfg, options: AdapterOptions):
-        return self.detr_adapter(model, cfg, decode, OUTPUTS)
+    def adapter(self, model, d2cfg, options: AdapterOptions):
+        return self.detr_adapter(model, d2cfg, decode, OUTPUTS)
 
-    def postprocess(self, cfg):
-        return text_postprocess(cfg.MODEL.TRANSFORMER, "polygon" if cfg.MODEL.TRANSFORMER.USE_POLYGON else "bezier")
+    def postprocess(self, d2cfg):
+        return text_postprocess(d2cfg.MODEL.TRANSFORMER, "polygon" if d2cfg.MODEL.TRANSFORMER.USE_POLYGON else "bezier")
 
 
 SRFORMER_HEAD = ("backbone", "transformer.init_control_points_from_anchor", "ctrl_point_class", "offset_embed",
@@ -54,8 +54,8 @@ class SRFormer(DPTextDETR):
     summary = "SRFormer text detector: 16-point polygons (DPText-DETR's lineage, a mask branch for training)"
     head = SRFORMER_HEAD
 
-    def adapter(self, model, cfg, options: AdapterOptions):
-        return self.detr_adapter(model, cfg, decode_srformer, OUTPUTS)
+    def adapter(self, model, d2cfg, options: AdapterOptions):
+        return self.detr_adapter(model, d2cfg, decode_srformer, OUTPUTS)
 
 
 FAMILY = DPTextDETR()

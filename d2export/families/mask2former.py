@@ -72,39 +72,39 @@ class Mask2Former(Family):
             return "its pixel decoder has no multi-scale deformable attention"
         return None
 
-    def adapter(self, model, cfg, options: AdapterOptions):
+    def adapter(self, model, d2cfg, options: AdapterOptions):
         from d2export.tracing.maskformer import MaskFormerAdapter
 
-        pre = self.preprocess(cfg)
-        task = str(cfg.MODEL.TEST.TASK) if _task_conditioned(model) else None
+        pre = self.preprocess(d2cfg)
+        task = str(d2cfg.MODEL.TEST.TASK) if _task_conditioned(model) else None
         boxes = hasattr(model.sem_seg_head.predictor, "bbox_embed")
         from d2export.families._masks import GRAPH_AXES, graph_output_names
 
-        post = self.postprocess(cfg) if options.postprocess == "graph" else None
+        post = self.postprocess(d2cfg) if options.postprocess == "graph" else None
         results = {name: GRAPH_AXES[name] for name in graph_output_names(post)} if post else None
         return MaskFormerAdapter(model, pre["pixel_mean"], pre["pixel_std"], task, boxes, post, results)
 
-    def postprocess(self, cfg):
+    def postprocess(self, d2cfg):
         from detectron2.data import MetadataCatalog
 
-        test = _test_node(cfg)
-        num_classes = int(cfg.MODEL.SEM_SEG_HEAD.NUM_CLASSES)
-        meta = MetadataCatalog.get(cfg.DATASETS.TRAIN[0]) if cfg.DATASETS.TRAIN else None
+        test = _test_node(d2cfg)
+        num_classes = int(d2cfg.MODEL.SEM_SEG_HEAD.NUM_CLASSES)
+        meta = MetadataCatalog.get(d2cfg.DATASETS.TRAIN[0]) if d2cfg.DATASETS.TRAIN else None
         names = next((list(n) for n in (getattr(meta, "stuff_classes", None), getattr(meta, "thing_classes", None))
                       if n and len(n) == num_classes), [])
         things = getattr(meta, "thing_dataset_id_to_contiguous_id", None) or {}
         return {"num_classes": num_classes,
                 "object_mask_threshold": float(test.OBJECT_MASK_THRESHOLD),
                 "overlap_threshold": float(test.OVERLAP_THRESHOLD),
-                "test_topk_per_image": int(cfg.TEST.DETECTIONS_PER_IMAGE),
+                "test_topk_per_image": int(d2cfg.TEST.DETECTIONS_PER_IMAGE),
                 "semantic_on": bool(test.SEMANTIC_ON), "panoptic_on": bool(test.PANOPTIC_ON),
                 "instance_on": bool(test.INSTANCE_ON),
                 # as the model decides it (maskformer_model.py): any of panoptic/instance forces it
                 "sem_seg_postprocess_before_inference": bool(test.SEM_SEG_POSTPROCESSING_BEFORE_INFERENCE
                                                              or test.PANOPTIC_ON or test.INSTANCE_ON),
                 "thing_ids": sorted(int(v) for v in things.values()),
-                "class_names": names} | _maskdino_rules(cfg) | _oneformer_rules(cfg, meta) | (
-                    {"task": str(task)} if (task := getattr(cfg.MODEL.get("TEST"), "TASK", None)) else {})
+                "class_names": names} | _maskdino_rules(d2cfg) | _oneformer_rules(d2cfg, meta) | (
+                    {"task": str(task)} if (task := getattr(d2cfg.MODEL.get("TEST"), "TASK", None)) else {})
 
     def prediction(self, outputs, index, input_hw, original_hw, post, threshold):
         from d2export.families._masks import graph_prediction, mask_prediction
@@ -121,25 +121,25 @@ def _task_conditioned(model) -> bool:
     return hasattr(model, "task_mlp") and hasattr(model, "task_tokenizer")
 
 
-def _maskdino_rules(cfg) -> dict:
+def _maskdino_rules(d2cfg) -> dict:
     """MaskDINO scores classes by a sigmoid, K of them (d2export/families/_masks.py's Rules), with the settings of
     its TEST node as its from_config reads them."""
-    if not hasattr(cfg.MODEL, "MaskDINO"):
+    if not hasattr(d2cfg.MODEL, "MaskDINO"):
         return {"class_scores": "softmax"}
-    node = cfg.MODEL.MaskDINO
+    node = d2cfg.MODEL.MaskDINO
     test = node.TEST
     return {"class_scores": "sigmoid", "transform_eval": bool(test.PANO_TRANSFORM_EVAL),
             "panoptic_temperature": float(test.PANO_TEMPERATURE), "focus_on_box": bool(test.TEST_FOUCUS_ON_BOX),
             "semantic_ce_loss": bool(test.SEMANTIC_ON and node.SEMANTIC_CE_LOSS and not test.PANOPTIC_ON)}
 
 
-def _oneformer_rules(cfg, meta) -> dict:
+def _oneformer_rules(d2cfg, meta) -> dict:
     """OneFormer's instance rules (its instance_inference; d2export/families/_masks.py's Rules): its demo mode keeps
     the pairs scoring over the object threshold; on ADE20K (the dataset's name says it) the instance task numbers
     classes among the things' dataset ids; DETECTION_ON boxes the masks."""
-    if not hasattr(cfg.MODEL, "ONE_FORMER"):
+    if not hasattr(d2cfg.MODEL, "ONE_FORMER"):
         return {}
-    demo, test = bool(cfg.MODEL.get("IS_DEMO", False)), cfg.MODEL.TEST
+    demo, test = bool(d2cfg.MODEL.get("IS_DEMO", False)), d2cfg.MODEL.TEST
     rules = {"boxes_from_masks": bool(test.get("DETECTION_ON", False))}
     if demo:
         rules["instance_min_score"] = float(test.OBJECT_MASK_THRESHOLD)
@@ -149,13 +149,13 @@ def _oneformer_rules(cfg, meta) -> dict:
     return rules
 
 
-def _test_node(cfg):
+def _test_node(d2cfg):
     """The post-processing's config: Mask2Former's MODEL.MASK_FORMER.TEST, MaskDINO's MODEL.MaskDINO.TEST, or
     OneFormer's MODEL.TEST."""
     for project in ("MASK_FORMER", "MaskDINO"):
-        if hasattr(cfg.MODEL, project) and hasattr(cfg.MODEL.get(project), "TEST"):
-            return cfg.MODEL.get(project).TEST
-    return cfg.MODEL.TEST
+        if hasattr(d2cfg.MODEL, project) and hasattr(d2cfg.MODEL.get(project), "TEST"):
+            return d2cfg.MODEL.get(project).TEST
+    return d2cfg.MODEL.TEST
 
 
 FAMILY = Mask2Former()

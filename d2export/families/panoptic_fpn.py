@@ -36,15 +36,15 @@ class PanopticFPN(Detectron2Detections):
     def missing(self, model):
         return has_rcnn_inference(model) or (None if hasattr(model, "sem_seg_head") else "needs a sem_seg_head")
 
-    def adapter(self, model, cfg, options: AdapterOptions):
+    def adapter(self, model, d2cfg, options: AdapterOptions):
         from d2export.tracing.rcnn import RCNNAdapter
 
         return RCNNAdapter(model, options.example[0], inference, axes={"sem_seg": {2: "height", 3: "width"}})
 
-    def postprocess(self, cfg):
-        combine = cfg.MODEL.PANOPTIC_FPN.COMBINE
-        meta = dataset_metadata(cfg)
-        return detection_postprocess(cfg, cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST) | {
+    def postprocess(self, d2cfg):
+        combine = d2cfg.MODEL.PANOPTIC_FPN.COMBINE
+        meta = dataset_metadata(d2cfg)
+        return detection_postprocess(d2cfg, d2cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST) | {
             "sem_seg": "semantic logits [N, C, H, W] in input pixels; class 0 is 'things'",
             "stuff_classes": list(getattr(meta, "stuff_classes", None) or []),
             "combine": {"enabled": bool(combine.ENABLED), "overlap_threshold": float(combine.OVERLAP_THRESH),

@@ -31,13 +31,13 @@ class RCNN(Detectron2Detections):
             return "has a semantic segmentation head (a panoptic model)"
         return has_rcnn_inference(model)
 
-    def adapter(self, model, cfg, options: AdapterOptions):
+    def adapter(self, model, d2cfg, options: AdapterOptions):
         from d2export.tracing.rcnn import RCNNAdapter
 
         return RCNNAdapter(model, options.example[0])
 
-    def postprocess(self, cfg):
-        return detection_postprocess(cfg, cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST)
+    def postprocess(self, d2cfg):
+        return detection_postprocess(d2cfg, d2cfg.MODEL.ROI_HEADS.SCORE_THRESH_TEST)
 
 
 FAMILY = RCNN()

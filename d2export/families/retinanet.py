@@ -32,13 +32,13 @@ class RetinaNet(Detectron2Detections):
         lacking = [a for a in NEEDS if not hasattr(model, a)]
         return f"needs DenseDetector's {', '.join(lacking)}" if lacking else None
 
-    def adapter(self, model, cfg, options: AdapterOptions):
+    def adapter(self, model, d2cfg, options: AdapterOptions):
         from d2export.tracing.rcnn import RCNNAdapter
 
         return RCNNAdapter(model, options.example[0], inference)
 
-    def postprocess(self, cfg):
-        return detection_postprocess(cfg, cfg.MODEL.RETINANET.SCORE_THRESH_TEST, num_classes="retinanet")
+    def postprocess(self, d2cfg):
+        return detection_postprocess(d2cfg, d2cfg.MODEL.RETINANET.SCORE_THRESH_TEST, num_classes="retinanet")
 
 
 FAMILY = RetinaNet()

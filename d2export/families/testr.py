@@ -27,14 +27,14 @@ class TESTR(TextSpotter):
     summary = "TESTR text spotter: polygon/Bézier control points and text"
     head = HEAD
 
-    def adapter(self, model, cfg, options: AdapterOptions):
+    def adapter(self, model, d2cfg, options: AdapterOptions):
         names = OUTPUTS + (("text_logits",) if options.text_logits else ())
-        return self.detr_adapter(model, cfg, decode, names, text_logits=options.text_logits)
+        return self.detr_adapter(model, d2cfg, decode, names, text_logits=options.text_logits)
 
     unknown_reads = "口"
 
-    def postprocess(self, cfg):
-        t = cfg.MODEL.TRANSFORMER
+    def postprocess(self, d2cfg):
+        t = d2cfg.MODEL.TRANSFORMER
         ctc = bool(getattr(t, "TEXT_CTC", False))  # a stand-in's option: slots trained with CTC read as DeepSolo's
         return text_postprocess(t, "polygon" if t.USE_POLYGON else "bezier", reads=True, ctc=ctc)
 
