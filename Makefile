@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.d2export-setup
 CONFIG ?= textdet_micro
 PYTEST_ARGS ?=
 
-.PHONY: setup test export demo bench wheel clean
+.PHONY: setup test test-matrix test-all export demo bench wheel clean
 setup: $(STAMP)
 
 $(STAMP): setup.py scripts/install_detectron2.py Makefile d2export/kernels/native/msda_op.cc d2export/kernels/native/ort_abi.h \
@@ -27,9 +27,17 @@ $(STAMP): setup.py scripts/install_detectron2.py Makefile d2export/kernels/nativ
 # module fixtures are made once, in collection order (tests/conftest.py puts the longest files first; xdist would
 # otherwise order files by their number of tests, and a long file of one test would start last and run alone);
 # `make test PYTEST_JOBS=0` runs it in this process alone.
+# `make test` leaves out the per-family torch.export matrix (tests/test_dynamo_*.py, a quarter of its time), which
+# `make test-matrix` runs; `make test-all` runs both, as CI does (.ci/run).
 PYTEST_JOBS ?= auto
+PYTEST := $(PY) -m pytest -n $(PYTEST_JOBS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 test: setup
-	$(PY) -m pytest -n $(PYTEST_JOBS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PYTEST) -m "not torch_export_matrix" $(PYTEST_ARGS)
+
+test-matrix: setup
+	$(PYTEST) -m torch_export_matrix $(PYTEST_ARGS)
+
+test-all: test test-matrix
 
 export: setup
 	$(PY) tools/export.py --config $(CONFIG)

@@ -122,6 +122,18 @@ LONGEST_FIRST = ("test_pinning.py", "test_export_pipeline.py", "test_dynamo_dete
                  "test_export_faults.py", "test_zoo_families.py", "test_spotters.py")
 
 
+# The per-family torch.export matrix (every family and detectron2 meta-architecture through export.exporter=dynamo,
+# verified): a quarter of the suite's time, run as its own step (`make test-matrix`; `make test-all` and CI run both).
+MATRIX_FILES = "test_dynamo_*.py"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch_export_matrix: the per-family torch.export matrix (make test-matrix)")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.match(MATRIX_FILES):
+            item.add_marker(pytest.mark.torch_export_matrix)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
