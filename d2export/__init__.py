@@ -14,6 +14,10 @@ __version__ = "0.1.0"
 
 DEFAULT_COMPILED_OPS = ("adet._C", "detrex._C", "MultiScaleDeformableAttention")
 
+from d2export import moved as _moved  # noqa: E402 - old module names answer with the new modules, warning
+
+_moved.install()
+
 
 def activate(compiled_ops=DEFAULT_COMPILED_OPS):
     """Install the load-time import hook for these compiled MSDA extension module names (idempotent)."""
