@@ -27,6 +27,8 @@ MOVED = {  # old dotted name → where it lives now
     "d2export.exporting.served_text": "d2export.verification.served_text",
     "d2export.exporting.served_masks": "d2export.verification.served_masks",
     "d2export.exporting.host_copies": "d2export.verification.host_copies",
+    "d2export.exporting.sessions": "d2export.verification.check_sessions",
+    "d2export.exporting.pictures": "d2export.verification.pictures",
     "d2export.ops.rewrites": "d2export.ops.tensor_ops",
     "d2export.patching.rewrites": "d2export.patching.operator_patches",
     "d2export.patching.family": "d2export.patching.deformable_attention",
