@@ -89,7 +89,7 @@ def export_in_child(config: str, sampler: str, exporter: str, path: Path, *overr
 def session_options(threads: int, profile_prefix: str | None = None):
     import onnxruntime as ort
 
-    from d2export.runtime.predictor import serving_settings
+    from d2export.runtime.providers import serving_settings
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

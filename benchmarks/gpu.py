@@ -210,7 +210,7 @@ SETTINGS = {
 def setting(name: str | None, precision: str) -> tuple[dict, tuple]:
     """A row's CUDA provider options and disabled graph transformers: None is the verified session, DEFAULTS the
     Predictor's own for a graph of `precision`, else one of SETTINGS over the verified session."""
-    from d2export.runtime.predictor import CUDA_DISABLED_OPTIMIZERS, options_per_provider
+    from d2export.runtime.providers import CUDA_DISABLED_OPTIMIZERS, options_per_provider
 
     if name is None:
         return dict(VERIFIED), ()
@@ -237,7 +237,7 @@ def cuda_session(path: Path, profile_prefix: str | None = None, cuda_graph: bool
     import onnxruntime as ort
 
     from d2export.verification.check_sessions import session_options
-    from d2export.runtime.predictor import DISABLED_OPTIMIZERS_KEY
+    from d2export.runtime.providers import DISABLED_OPTIMIZERS_KEY
 
     opts = session_options(path)  # the fused operator's library registered where the graph has it
     opts.log_severity_level = 3

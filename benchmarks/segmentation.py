@@ -11,9 +11,9 @@ Without --clone, the stand-in of third_party/mask2former (its full-size configs)
    --config mask2former` does, with the first sampler;
 2. parity at each of --sizes and a --batch of two, graph against the model's own forward (list[dict] in, its
    ImageList padding, its post-processing): class probabilities, mask probabilities, and the served semantic map
-   (d2export/families/_masks.py on the graph's outputs) against the model's `sem_seg` argmax pixel for pixel, the
-   pixels that differ counted with those whose two best class scores lie within 1e-4 of each other (ties float
-   noise may break either way);
+   (d2export/families/_mask_predictions.py on the graph's outputs) against the model's `sem_seg` argmax pixel for
+   pixel, the pixels that differ counted with those whose two best class scores lie within 1e-4 of each other (ties
+   float noise may break either way);
 3. post-processing alone: the served semantic, panoptic and instance results computed from the model's own head
    outputs against the model's own results from the same forward (equal, or the largest difference);
 4. latency at --size², batch 1, interleaved rounds, medians: eager PyTorch (the model as detectron2's DefaultPredictor
@@ -81,7 +81,7 @@ def _softmax(x):
 
 def parity(model, session, adapter, post, sizes, seed) -> dict:
     """Graph against the model's own forward on one batch."""
-    from d2export.families._masks import mask_prediction
+    from d2export.families._mask_predictions import mask_prediction
 
     images = _images(sizes, seed)
     results, head = own_forward(model, images)
@@ -106,7 +106,7 @@ def parity(model, session, adapter, post, sizes, seed) -> dict:
 
 def postprocessing(model, post, sizes, seed) -> dict:
     """The served post-processing on the model's own head outputs against the model's own results."""
-    from d2export.families._masks import mask_prediction
+    from d2export.families._mask_predictions import mask_prediction
     from d2export.instances import decode_mask
 
     import torch

@@ -1,7 +1,9 @@
 """What a served model found, in the original picture's pixels: one `Instance` per detection, whatever the family.
 
 Torch-free: family modules build these from graph outputs (numpy) and the runtime serialises and draws them. Fields a
-family does not produce stay None and are left out of the JSON.
+family does not produce stay None and are left out of the JSON. The served kinds' fields (d2export/served_kinds/:
+`Prediction.semantic`, `.panoptic`, `.segments`, `Instance.language`) are added to the dataclasses from their
+declarations, where each kind says its place; they are fields like any other (construction by keyword, `asdict`).
 """
 from __future__ import annotations
 
@@ -11,11 +13,45 @@ from typing import Any
 
 import numpy as np
 
+from d2export.served_kinds import fields_for, kinds
+from d2export.served_kinds.panoptic import Segment
+
+__all__ = ["Instance", "TextInstance", "Segment", "Prediction", "encode_mask", "decode_mask"]
+
 _POINT_LISTS = ("polygon", "beziers", "boundary", "keypoints")
 
 
+def _served_fields(per: str):
+    """Class decorator, under @dataclass: the fields of the served kinds declared `per` "picture" or "instance" added
+    to the class's own, each `name: annotation = None`, after the field its kind names (else last), in the kinds'
+    order; the class's docstring lists them."""
+
+    def add(cls):
+        placed = list(cls.__dict__.get("__annotations__", {}).items())
+        last: dict[str, str] = {}  # a field → the kind field placed after it last (kinds after one field keep order)
+        lines = []
+        for kind in fields_for(per):
+            names = [name for name, _ in placed]
+            if kind.name in names:
+                raise ValueError(f"served kind {kind.name!r}: {cls.__name__} has that field already")
+            anchor = last.get(kind.after, kind.after)
+            placed.insert(len(placed) if anchor is None else names.index(anchor) + 1, (kind.name, kind.annotation))
+            if kind.after is not None:
+                last[kind.after] = kind.name
+            setattr(cls, kind.name, None)
+            lines.append(f"    {kind.name}: {kind.about}")
+        cls.__annotations__ = dict(placed)
+        if lines:
+            cls.__doc__ = (cls.__doc__ or "") + "\n\n    Served kinds (d2export/served_kinds/):\n" + "\n".join(lines)
+        return cls
+
+    return add
+
+
 @dataclass
+@_served_fields("instance")  # language (after text_score)
 class Instance:
+    """One detection."""
     score: float
     label: int
     class_name: str | None = None  # from the dataset's metadata, where the manifest knows it
@@ -24,7 +60,6 @@ class Instance:
     closed: bool = True  # False: `polygon` is an open polyline (DeepSolo's centre line)
     text: str | None = None
     text_score: float | None = None  # mean probability of the characters kept (0 when none)
-    language: str | None = None  # the script its text was read in (multilingual spotters: DeepSolo++)
     beziers: list[list[float]] | None = None  # 8 Bézier control points, for Bézier-mode text spotters
     boundary: list[list[float]] | None = None  # a closed outline around a centre line
     keypoints: list[list[float]] | None = None  # [[x, y, score], …]
@@ -35,49 +70,44 @@ class Instance:
 TextInstance = Instance  # the name the first release used
 
 
-@dataclass
-class Segment:
-    """One region of a panoptic map: the pixels of `Prediction.panoptic` equal to `id`."""
-    id: int
-    category_id: int  # the model's contiguous class index
-    isthing: bool
-    class_name: str | None = None
+def _instance_dict(inst: Instance, decimals: int) -> dict[str, Any]:
+    d = asdict(inst)
+    for kind in kinds("instance"):
+        value = getattr(inst, kind.name)
+        if value is not None:
+            d[kind.name] = kind.to_json(value)
+    for key in [k for k, v in d.items() if v is None]:
+        del d[key]
+    for key in _POINT_LISTS:
+        if key in d:
+            d[key] = [[round(v, decimals) for v in p] for p in d[key]]
+    if "box" in d:
+        d["box"] = [round(v, decimals) for v in d["box"]]
+    if d.get("closed", True):
+        d.pop("closed", None)
+    return d
 
 
 @dataclass
+@_served_fields("picture")  # semantic, panoptic, segments: a segmentation model's, None where the model makes none
 class Prediction:
+    """What a served model found in one picture."""
     height: int  # the original picture's size
     width: int
     instances: list[Instance] = field(default_factory=list)
-    # segmentation models (per pixel, the original picture's size); None where the model makes no such map
-    semantic: np.ndarray | None = None  # [H, W] int32: the class of each pixel (argmax of the semantic scores)
-    panoptic: np.ndarray | None = None  # [H, W] int32: the segment id of each pixel, 0 where no segment is
-    segments: list[Segment] | None = None  # the panoptic map's segments
 
     def to_dict(self, decimals: int = 2) -> dict[str, Any]:
         """JSON-ready; coordinates rounded to `decimals` (a hundredth of a pixel by default); absent fields dropped.
-        Pixel maps are not JSON: where there are some, their shape is said (serving writes them as PNG)."""
-        maps = {k: getattr(self, k) for k in ("semantic", "panoptic")}
-        d = asdict(dataclasses_replace(self, semantic=None, panoptic=None))
-        for key, value in maps.items():
+        Each served kind in its JSON form: pixel maps are not JSON, their shape is said (serving writes them as PNG)."""
+        picture = kinds("picture")
+        d = asdict(dataclasses_replace(self, instances=[], **{k.name: None for k in picture}))  # no deep copies
+        d["instances"] = [_instance_dict(inst, decimals) for inst in self.instances]
+        for kind in picture:
+            value = getattr(self, kind.name)
             if value is None:
-                del d[key]
+                del d[kind.name]
             else:
-                d[key] = {"shape": list(value.shape)}
-        if d["segments"] is None:
-            del d["segments"]
-        else:
-            d["segments"] = [{k: v for k, v in s.items() if v is not None} for s in d["segments"]]
-        for inst in d["instances"]:
-            for key in [k for k, v in inst.items() if v is None]:
-                del inst[key]
-            for key in _POINT_LISTS:
-                if key in inst:
-                    inst[key] = [[round(v, decimals) for v in p] for p in inst[key]]
-            if "box" in inst:
-                inst["box"] = [round(v, decimals) for v in inst["box"]]
-            if inst.get("closed", True):
-                inst.pop("closed", None)
+                d[kind.name] = kind.to_json(value)
         return d
 
 

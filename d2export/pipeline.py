@@ -26,12 +26,14 @@ from d2export import __version__, building, progress
 from d2export.building import charset_search
 from d2export.charset import CharsetError
 from d2export.config import D2ExportConfig, check_files
-from d2export.verification import served_text, graph_checks
+from d2export.verification import served_text, float32, reduced_precision
 from d2export.exporting.lint import lint_export
 from d2export.exporting.onnx_export import ExportError, export_onnx, export_scope, traced_sizes
-# ladder and reduced_tolerances live in graph_checks.py; d2export.pipeline keeps them for its callers (docs/ladder.md)
-from d2export.verification.graph_checks import (  # noqa: F401
-    ladder, reduced_tolerances, verification_cases, verification_sizes)
+# ladder and reduced_tolerances live in verification/; d2export.pipeline keeps them for its callers (docs/ladder.md)
+from d2export.verification.cases import verification_cases, verification_sizes
+from d2export.verification.ladder import ladder  # noqa: F401
+from d2export.verification.subject import Subject
+from d2export.verification.tolerances import reduced_tolerances  # noqa: F401
 from d2export.manifest import Manifest, embed_manifest, graph_specs, manifest_path, sha256_file, staged
 from d2export.kernels import custom_ops
 from d2export.stage_errors import stage
@@ -54,7 +56,7 @@ class Built:
     device: str = "cpu"  # where the model runs (export.device resolved)
     charset: dict = field(default_factory=dict)  # the manifest's character set, where the family reads text
     model_folders: list = field(default_factory=list)  # where the model's relative files may lie (charset_search)
-    # where the model's own code runs only at multiples of a size (graph_checks.verification_cases finds it): that
+    # where the model's own code runs only at multiples of a size (cases.verification_cases finds it): that
     # multiple (0: any size), and which verification sizes were chosen and why
     size_divisibility: int = 0
     size_choice: dict = field(default_factory=dict)
@@ -182,18 +184,18 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
             if lint is not None:
                 log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
             with stage("verify"):
-                subject = graph_checks.Subject(built, staged_model, cases)
-                verification = (graph_checks.verify_float32(subject) if cases
+                subject = Subject(built, staged_model, cases)
+                verification = (float32.verify_float32(subject) if cases
                                 else {"passed": None}) | {"device": built.device}  # where the references ran
                 own = getattr(adapter, "own_inference", None)  # segmenters: served results vs own inference
                 if own is not None and cases:
                     verification["own_inference"] = own
                 if lint is not None and lint.min_sizes and cases:
-                    lint.below_minimum = graph_checks.check_below_minimums(subject, lint.min_sizes)
+                    lint.below_minimum = float32.check_below_minimums(subject, lint.min_sizes)
                 if e.fp16:
-                    verification["fp16"] = graph_checks.convert_to_float16(subject)
+                    verification["fp16"] = reduced_precision.convert_to_float16(subject)
                 if e.int8:
-                    verification["int8"] = graph_checks.quantise_to_int8(subject)
+                    verification["int8"] = reduced_precision.quantise_to_int8(subject)
             _fault_point("verified")
             manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
             if cases:  # what users receive, against the model's own code (text spotters' words)

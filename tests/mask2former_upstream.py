@@ -1,7 +1,7 @@
 """Mask2Former's three inference rules, transcribed for the tests from upstream's
 facebookresearch/Mask2Former `mask2former/maskformer_model.py` (MaskFormer.forward's eval branch, semantic_inference,
 panoptic_inference, instance_inference) in plain numpy, float64, one picture at a time, as upstream loops: nothing
-here calls d2export, so the served rules (d2export/families/_masks.py) and the in-graph ones
+here calls d2export, so the served rules (d2export/families/_mask_*.py) and the in-graph ones
 (d2export/tracing/mask_results.py) are held to something they do not share.
 
 `head_outputs` makes random head outputs with the cases each rule decides: queries sure of a class, unsure ones

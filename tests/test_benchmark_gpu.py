@@ -92,7 +92,7 @@ ROWS_FLOAT16 = ["", ", CUDA graph", ", tensor cores (use_tf32=1)", ", fused conv
 
 def test_each_setting_is_a_row_and_the_defaults_are_the_predictors():
     from benchmarks.gpu import DEFAULTS, fixed_rows, row_label, setting
-    from d2export.runtime.predictor import CUDA_DISABLED_OPTIMIZERS, options_per_provider
+    from d2export.runtime.providers import CUDA_DISABLED_OPTIMIZERS, options_per_provider
 
     labels = lambda precision, settings: [row_label("", n, g) for n, g in fixed_rows(precision, settings)]  # noqa
     assert labels("float16", True) == ROWS_FLOAT16

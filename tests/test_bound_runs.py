@@ -53,7 +53,8 @@ def test_each_shape_replays_its_own_graph(affine):
 
 
 def test_asked_for_cuda_graphs_on_the_cpu_the_predictor_says_so_and_serves_the_same(tiny_export, caplog):
-    from d2export.runtime.predictor import Predictor, add_predictor_arguments
+    from d2export.runtime.predictor import Predictor
+    from d2export.runtime.serving_arguments import add_predictor_arguments
 
     _, _, path = tiny_export
     picture = np.random.default_rng(3).integers(0, 255, (150, 210, 3), np.uint8)

@@ -8,7 +8,7 @@ import pytest
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.verification import graph_checks
+from d2export.verification import ladder
 from d2export.verification.comparison import VerificationError
 from d2export.patching import REGISTRY
 from d2export.stage_errors import StageError
@@ -31,7 +31,7 @@ def test_dino_exports_verified_at_sizes_and_a_mixed_batch(tmp_path, config):
 
 
 def test_focalnet_without_the_patch_embedding_patch_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(graph_checks, "_ladder_summary", lambda built: {"culprit": None})  # a second export otherwise
+    monkeypatch.setattr(ladder, "_ladder_summary", lambda built: {"culprit": None})  # a second export otherwise
     monkeypatch.setattr(REGISTRY["patch-embed-padding"], "needed", lambda target: False)
     built = _built(tmp_path, "dino_focalnet_tiny")
     with pytest.raises((VerificationError, StageError)) as refused:  # wrong, or failing in onnxruntime

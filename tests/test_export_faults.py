@@ -16,7 +16,8 @@ import torch
 from d2export import building, pipeline
 from d2export.config import load
 from d2export.manifest import Manifest
-from d2export.runtime.predictor import ModelLoadError, Predictor
+from d2export.runtime.model_loading import ModelLoadError
+from d2export.runtime.predictor import Predictor
 from exports import export
 
 REPO = Path(__file__).resolve().parents[1]

@@ -278,16 +278,16 @@ def test_a_ladder_that_crashes_is_an_error_beside_the_verifications_verdict(monk
     """The ladder is a diagnosis run when verification fails: where it crashes (through torch.export a patch may
     turn a module's tensors into Python sizes), that is an error in the report, never a clean ladder, and the
     refusal keeps its own figures."""
-    from d2export.verification import graph_checks
+    from d2export.verification import float32
 
     def broken(built):
         raise RuntimeError("the traced run did not call what the eager probe did")
 
-    monkeypatch.setattr(graph_checks, "ladder", broken)
+    monkeypatch.setattr(ladder, "ladder", broken)
     with caplog.at_level("WARNING", logger="d2export"):
-        summary = graph_checks._ladder_summary(None)
+        summary = ladder._ladder_summary(None)
     assert summary["culprit"] is None and summary["diverged"] is None and "did not call" in summary["error"]
-    assert graph_checks._culprit_line(summary) == (
+    assert float32._culprit_line(summary) == (
         "\nthe parity ladder crashed (no module compared): RuntimeError: the traced run did not call what the eager "
         "probe did")
     said = [r for r in caplog.records if "parity ladder" in r.getMessage()]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.verification import graph_checks
+from d2export.verification import ladder
 from d2export.verification.comparison import VerificationError
 
 SIZES = "verify.sizes=[[128,160],[96,192]]"
@@ -40,7 +40,7 @@ def exported(tmp_path_factory):
 @pytest.fixture
 def no_ladder(monkeypatch):
     """The parity ladder (run on every failure) is not what these tests look at; it costs a second export."""
-    monkeypatch.setattr(graph_checks, "_ladder_summary", lambda built: {"culprit": None})
+    monkeypatch.setattr(ladder, "_ladder_summary", lambda built: {"culprit": None})
 
 
 def _decoder(built):
@@ -363,8 +363,8 @@ def test_post_processing_in_the_graph_is_verified_and_serves_the_default_results
     """export.postprocess=graph: the semantic map, the panoptic competition and the instance top-k and masks in the
     graph, verified at two sizes and a batch against the same work on the model's own head outputs; served, they
     give the default graph's results but for ties, and the nearest-resized maps elsewhere."""
-    from d2export.families import _masks
-    from d2export.families._masks import graph_prediction, mask_prediction
+    from d2export.families import _mask_passes, _mask_predictions
+    from d2export.families._mask_predictions import graph_prediction, mask_prediction
     from d2export.runtime.predictor import Predictor
 
     built = _built(tmp_path, "export.postprocess=graph")
@@ -390,7 +390,7 @@ def test_post_processing_in_the_graph_is_verified_and_serves_the_default_results
         # the served map's class is, in numpy's scores of the graph's head outputs, the best but for ties (seeded
         # weights: where every mask is off, all scores ~1e-8); tests/test_mask_postprocess.py compares untied
         # results with upstream's
-        scores = _masks.semantic_inference(outputs["pred_logits"][i], _masks._masks_at(
+        scores = _mask_predictions.semantic_inference(outputs["pred_logits"][i], _mask_passes._masks_at(
             outputs["pred_masks"][i], outputs["sem_seg"].shape[1:], hw, hw))
         chosen = np.take_along_axis(scores, served.semantic[None], 0)[0]
         assert served.semantic.shape == hw and (scores.max(0) - chosen).max() < 1e-6

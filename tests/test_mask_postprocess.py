@@ -1,4 +1,4 @@
-"""d2export/families/_masks.py against Mask2Former's own post-processing: the stand-in's `MaskFormer` (upstream's
+"""d2export/families/_mask_*.py against Mask2Former's own post-processing: the stand-in's `MaskFormer` (upstream's
 semantics; third_party/mask2former) and detectron2's sem_seg_postprocess, run on the same conditioned random graph
 outputs. The whole flow goes through the stand-in's eval `forward` with a namespace for `self` whose head returns
 those outputs, so padding (ImageList, size divisibility 32), upsampling and the order of steps are upstream's too.
@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from d2export.families import _masks
+from d2export.families import _mask_passes, _mask_predictions, _mask_resize, _mask_rules
 from d2export.instances import decode_mask
 
 STANDIN = Path(__file__).resolve().parent.parent / "third_party" / "mask2former" / "mask2former" / "maskformer_model.py"
@@ -152,7 +152,7 @@ def differences(prediction, ref: dict, input_hw, original_hw, before: bool) -> d
 def test_resize_is_torch_bilinear(shape, out):
     x = torch.randn(shape)
     want = F.interpolate(x.reshape(-1, 1, *shape[-2:]), size=out, mode="bilinear", align_corners=False)
-    np.testing.assert_allclose(_masks.resize_bilinear(x.numpy(), out), want.reshape(*shape[:-2], *out).numpy(),
+    np.testing.assert_allclose(_mask_resize.resize_bilinear(x.numpy(), out), want.reshape(*shape[:-2], *out).numpy(),
                                rtol=0, atol=2e-6)
 
 
@@ -160,7 +160,7 @@ def test_weights_are_torchs_bit_for_bit():
     for size, out in [(40, 333), (7, 19), (36, 517), (13, 31), (200, 57)]:
         eye = torch.eye(size)[None, None]  # interpolating the identity leaves the weights themselves
         want = F.interpolate(eye, size=(out, size), mode="bilinear", align_corners=False)[0, 0].numpy()
-        np.testing.assert_array_equal(_masks.resize_weights(size, out), want)
+        np.testing.assert_array_equal(_mask_resize.resize_weights(size, out), want)
 
 
 def test_sem_seg_postprocess_is_detectron2s():
@@ -168,12 +168,13 @@ def test_sem_seg_postprocess_is_detectron2s():
 
     x = torch.randn(5, 64, 96)
     want = sem_seg_postprocess(x, (50, 77), 143, 211).numpy()
-    np.testing.assert_allclose(_masks.sem_seg_postprocess(x.numpy(), (50, 77), 143, 211), want, atol=2e-6)
+    np.testing.assert_allclose(_mask_resize.sem_seg_postprocess(x.numpy(), (50, 77), 143, 211), want, atol=2e-6)
     # the padded upsampling, the crop and the resize folded into one pass
     masks = torch.randn(Q, 32, 40)
     padded = F.interpolate(masks[None], size=(128, 160), mode="bilinear", align_corners=False)[0]
     want = sem_seg_postprocess(padded, (101, 150), 203, 301).numpy()
-    np.testing.assert_allclose(_masks._masks_at(masks.numpy(), (128, 160), (101, 150), (203, 301)), want, atol=5e-6)
+    np.testing.assert_allclose(_mask_passes._masks_at(masks.numpy(), (128, 160), (101, 150), (203, 301)), want,
+                               atol=5e-6)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -182,14 +183,14 @@ def test_inferences_are_upstreams(seed):
     outputs = fake_outputs(seed, 1, (45, 61))  # masks at a size of their own, as after sem_seg_postprocess
     cls, masks = outputs["pred_logits"][0], outputs["pred_masks"][0]
     want = model.semantic_inference(SimpleNamespace(), torch.from_numpy(cls), torch.from_numpy(masks)).numpy()
-    np.testing.assert_allclose(_masks.semantic_inference(cls, masks), want, atol=2e-6)
+    np.testing.assert_allclose(_mask_predictions.semantic_inference(cls, masks), want, atol=2e-6)
 
     ns = SimpleNamespace(sem_seg_head=SimpleNamespace(num_classes=K), object_mask_threshold=0.8,
                          overlap_threshold=0.8, metadata=SimpleNamespace(
                              thing_dataset_id_to_contiguous_id={100 + t: t for t in THINGS}),
                          device=torch.device("cpu"), num_queries=Q, test_topk_per_image=20, panoptic_on=True)
     ids, segments = model.panoptic_inference(ns, torch.from_numpy(cls), torch.from_numpy(masks))
-    got_ids, got_segments = _masks.panoptic_inference(cls, masks, K, 0.8, 0.8, THINGS, NAMES)
+    got_ids, got_segments = _mask_predictions.panoptic_inference(cls, masks, K, 0.8, 0.8, THINGS, NAMES)
     np.testing.assert_array_equal(got_ids, ids.numpy())
     assert [(s.id, s.category_id, s.isthing) for s in got_segments] == [
         (s["id"], s["category_id"], s["isthing"]) for s in segments]
@@ -199,7 +200,7 @@ def test_inferences_are_upstreams(seed):
     for panoptic_on in (True, False):
         ns.panoptic_on = panoptic_on
         inst = model.instance_inference(ns, torch.from_numpy(cls), torch.from_numpy(masks))
-        found = _masks.instance_inference(cls, masks, K, 20, panoptic_on, THINGS, NAMES)
+        found = _mask_predictions.instance_inference(cls, masks, K, 20, panoptic_on, THINGS, NAMES)
         assert len(found) == len(inst)
         assert [f.score for f in found] == sorted((f.score for f in found), reverse=True)
         pairs = sorted(zip(inst.scores.tolist(), inst.pred_classes.tolist(),
@@ -224,7 +225,7 @@ def test_prediction_is_upstreams_forward(seed, before):
     outputs = fake_outputs(seed, 2, (32, 40))
     refs = reference(standin(), outputs, INPUTS, ORIGINALS, post)
     for i, ref in enumerate(refs):
-        prediction = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+        prediction = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
         assert (prediction.height, prediction.width) == ORIGINALS[i]
         assert prediction.semantic.shape == prediction.panoptic.shape == ORIGINALS[i]
         assert prediction.semantic.dtype == prediction.panoptic.dtype == np.int32
@@ -241,13 +242,14 @@ def test_instances_alone_upsample_only_their_queries_masks(semantic, before, mon
     # (where no semantic pass reads the same field), the results upstream's
     post = post_dict(before, semantic=semantic, panoptic=False, topk=5)
     outputs = fake_outputs(5, 2, (32, 40))
-    made, upsampled = [], _masks.Upsampled
-    monkeypatch.setattr(_masks, "Upsampled",
+    made, upsampled = [], _mask_passes.Upsampled
+    monkeypatch.setattr(_mask_predictions, "Upsampled",
                         lambda masks, *a, **k: made.append(len(masks)) or upsampled(masks, *a, **k))
     for i, ref in enumerate(reference(standin(), outputs, INPUTS, ORIGINALS, post)):
         made.clear()
-        prediction = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
-        picked = len(np.unique(_masks._instance_pairs(outputs["pred_logits"][i], K, 5, False, [], _masks.Rules())[0]))
+        prediction = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+        picked = len(np.unique(_mask_predictions._instance_pairs(outputs["pred_logits"][i], K, 5, False, [],
+                                                                 _mask_rules.Rules())[0]))
         assert len(prediction.instances) == 5 and picked < Q
         assert min(made) == (Q if semantic and before else picked)  # the field of the picked queries alone
         assert (prediction.semantic is not None) == semantic and prediction.panoptic is None
@@ -261,11 +263,11 @@ def test_stuff_of_one_class_merges(seed):
     # queries 0 and 1 are both sure of one stuff class: one segment holds what each of them would hold apart
     post = post_dict(True, instance=False)
     outputs = fake_outputs(seed, 1, (32, 40))
-    merged = _masks.mask_prediction(outputs, 0, (128, 160), (128, 160), post)
+    merged = _mask_predictions.mask_prediction(outputs, 0, (128, 160), (128, 160), post)
     apart = fake_outputs(seed, 1, (32, 40))
     # query 1 sure of a thing class instead, as sure: a segment of its own, never merged, the pixels the same
     apart["pred_logits"][0, 1, [STUFF_TWICE, 0]] = apart["pred_logits"][0, 1, [0, STUFF_TWICE]]
-    apart = _masks.mask_prediction(apart, 0, (128, 160), (128, 160), post)
+    apart = _mask_predictions.mask_prediction(apart, 0, (128, 160), (128, 160), post)
 
     # queries 0 and 1 come first among the kept ones: apart, segments 1 and 2
     assert [(s.id, s.category_id) for s in apart.segments[:2]] == [(1, STUFF_TWICE), (2, 0)]
@@ -285,7 +287,7 @@ def test_nothing_found(kind, before):
         outputs["pred_logits"][:, :, K] += 20
     refs = reference(standin(), outputs, INPUTS, ORIGINALS, post)
     for i, ref in enumerate(refs):
-        prediction = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+        prediction = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
         assert prediction.segments == [] and not prediction.panoptic.any()
         diff = differences(prediction, ref, INPUTS[i], ORIGINALS[i], before)
         assert diff["semantic_pixels"] == diff["panoptic_pixels"] == diff["segments_differ"] == 0
@@ -293,7 +295,8 @@ def test_nothing_found(kind, before):
         if kind == "empty":  # every mask empty: upstream's instances score 0
             assert all(inst.score == 0 for inst in prediction.instances)
         # a threshold leaves out what scores below it
-        assert _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post, threshold=0.5).instances == [
+        assert _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post,
+                                                 threshold=0.5).instances == [
             inst for inst in prediction.instances if inst.score >= 0.5]
 
 
@@ -303,13 +306,13 @@ def test_results_in_bands_of_rows(before, monkeypatch):
     # must not change
     post = post_dict(before)
     outputs = fake_outputs(4, 2, (32, 40))
-    whole = [_masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post) for i in range(2)]
-    monkeypatch.setattr(_masks, "_BAND", 3000)
-    for each in (_masks._each, lambda fn, items: [fn(x) for x in items]):
-        monkeypatch.setattr(_masks, "_each", each)
+    whole = [_mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post) for i in range(2)]
+    monkeypatch.setattr(_mask_passes, "_BAND", 3000)
+    for each in (_mask_passes._each, lambda fn, items: [fn(x) for x in items]):
+        monkeypatch.setattr(_mask_passes, "_each", each)
         for i, ref in enumerate(reference(standin(), outputs, INPUTS, ORIGINALS, post)):
-            banded = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
-            assert len(_masks.Upsampled(outputs["pred_masks"][i], None, None).bands()) > 3  # banded indeed
+            banded = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+            assert len(_mask_passes.Upsampled(outputs["pred_masks"][i], None, None).bands()) > 3  # banded indeed
             np.testing.assert_array_equal(banded.semantic, whole[i].semantic)
             np.testing.assert_array_equal(banded.panoptic, whole[i].panoptic)
             assert banded.segments == whole[i].segments and len(banded.segments) > 1
@@ -324,16 +327,17 @@ def test_results_in_bands_of_rows(before, monkeypatch):
 def test_bad_outputs_are_refused():
     outputs = fake_outputs(0, 1, (8, 8))
     with pytest.raises(ValueError, match="masks cover 32x32"):
-        _masks.mask_prediction(outputs, 0, (40, 20), (40, 20), post_dict(True))
+        _mask_predictions.mask_prediction(outputs, 0, (40, 20), (40, 20), post_dict(True))
     with pytest.raises(ValueError, match="the manifest says 6"):
-        _masks.mask_prediction(outputs, 0, (32, 32), (32, 32), post_dict(True) | {"num_classes": 6})
+        _mask_predictions.mask_prediction(outputs, 0, (32, 32), (32, 32), post_dict(True) | {"num_classes": 6})
     post = post_dict(True)
     del post["overlap_threshold"]
     with pytest.raises(ValueError, match="no 'overlap_threshold'"):
-        _masks.mask_prediction(outputs, 0, (32, 32), (32, 32), post)
+        _mask_predictions.mask_prediction(outputs, 0, (32, 32), (32, 32), post)
     # what a result turned off reads is not needed
     del post["thing_ids"], post["object_mask_threshold"]
-    assert _masks.mask_prediction(outputs, 0, (32, 32), (32, 32), post | {"panoptic_on": False}).panoptic is None
+    assert _mask_predictions.mask_prediction(outputs, 0, (32, 32), (32, 32),
+                                             post | {"panoptic_on": False}).panoptic is None
 
 
 def test_oneformer_instance_rules():
@@ -348,8 +352,8 @@ def test_oneformer_instance_rules():
     ids = [3, 1, 0, 2]  # the thing classes' dataset ids in the metadata's order
     rules = {"instance_label_ids": ids, "boxes_from_masks": True}
     for i, ref in enumerate(refs):
-        plain = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
-        served = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post | rules)
+        plain = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+        served = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post | rules)
         assert len(served.instances) == len(plain.instances) > 1
         assert [x.label for x in served.instances] == [ids.index(x.label) for x in plain.instances]
         assert [x.label for x in served.instances] != [x.label for x in plain.instances]
@@ -363,7 +367,8 @@ def test_oneformer_instance_rules():
         top, index = probs.topk(post["test_topk_per_image"])
         labels = (index % K).tolist()
         want = sorted(label for p, label in zip(top.tolist(), labels) if p > 0.9 and label in THINGS)
-        demo = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post | {"instance_min_score": 0.9})
+        demo = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i],
+                                                 post | {"instance_min_score": 0.9})
         assert sorted(x.label for x in demo.instances) == want and 0 < len(want) < len(plain.instances)
 
 
@@ -382,13 +387,13 @@ def test_results_computed_in_the_graph_are_upstreams_at_the_graphs_size(seed):
                                         sizes, post)
     in_graph = outputs | {k: v.numpy() for k, v in computed.items()}
     for i, ref in enumerate(reference(standin(), outputs, INPUTS, INPUTS, post)):
-        served = _masks.graph_prediction(in_graph, i, INPUTS[i], INPUTS[i], post)
+        served = _mask_predictions.graph_prediction(in_graph, i, INPUTS[i], INPUTS[i], post)
         diff = differences(served, ref, INPUTS[i], INPUTS[i], True)
         assert diff == {"semantic_pixels": 0, "panoptic_pixels": 0, "segments_differ": 0, "instances_missing": 0,
                         "score": pytest.approx(0, abs=1e-6), "mask_pixels": 0}, diff
         assert len(served.segments) > 1 and len(served.instances) > 1
-        other = _masks.graph_prediction(in_graph, i, INPUTS[i], ORIGINALS[i], post)
-        np.testing.assert_array_equal(other.semantic, _masks._nearest(served.semantic, INPUTS[i], ORIGINALS[i]))
+        other = _mask_predictions.graph_prediction(in_graph, i, INPUTS[i], ORIGINALS[i], post)
+        np.testing.assert_array_equal(other.semantic, _mask_resize._nearest(served.semantic, INPUTS[i], ORIGINALS[i]))
         assert other.segments == served.segments
 
 
@@ -400,10 +405,10 @@ def test_subnormal_class_probabilities_change_no_result():
     post = post_dict(True)
     outputs = fake_outputs(5, 2, (32, 40))
     outputs["pred_logits"] *= 12
-    probs = _masks.softmax(outputs["pred_logits"])
+    probs = _mask_rules.softmax(outputs["pred_logits"])
     assert ((probs > 0) & (probs < np.finfo(np.float32).tiny)).sum() > 40  # the case is what it says (a quarter)
     for i, ref in enumerate(reference(standin(), outputs, INPUTS, INPUTS, post)):
-        served = _masks.mask_prediction(outputs, i, INPUTS[i], INPUTS[i], post)
+        served = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], INPUTS[i], post)
         diff = differences(served, ref, INPUTS[i], INPUTS[i], True)
         assert diff == {"semantic_pixels": 0, "panoptic_pixels": 0, "segments_differ": 0, "instances_missing": 0,
                         "score": pytest.approx(0, abs=1e-6), "mask_pixels": 0}, diff

@@ -1,6 +1,6 @@
 """Mask2Former's post-processing rules held to upstream (tests/mask2former_upstream.py: an independent numpy
 transcription of MaskFormer's forward and its three inference functions), both ways d2export serves them:
-- the default graph's results made by numpy at serving (d2export/families/_masks.py `mask_prediction`);
+- the default graph's results made by numpy at serving (d2export/families/_mask_predictions.py `mask_prediction`);
 - export.postprocess=graph's, computed in torch as the graph does (d2export/tracing/mask_results.py), served by
   `graph_prediction`.
 Each rule is shown to matter: altered one at a time (the object-mask threshold, the overlap threshold, the "no
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import mask2former_upstream as upstream
-from d2export.families import _masks
+from d2export.families import _mask_predictions, _mask_rules
 from d2export.instances import decode_mask
 from d2export.tracing import mask_results
 
@@ -69,7 +69,7 @@ def agrees(f: dict) -> bool:
 
 def served(seed: int, post: dict) -> list:
     outputs = upstream.head_outputs(seed, len(SIZES), (24, 32))
-    return [_masks.mask_prediction(outputs, i, hw, hw, post) for i, hw in enumerate(SIZES)], outputs
+    return [_mask_predictions.mask_prediction(outputs, i, hw, hw, post) for i, hw in enumerate(SIZES)], outputs
 
 
 def in_graph(seed: int, post: dict) -> list:
@@ -78,7 +78,7 @@ def in_graph(seed: int, post: dict) -> list:
         computed = mask_results.results(torch.from_numpy(outputs["pred_logits"]),
                                         torch.from_numpy(outputs["pred_masks"]), torch.tensor(SIZES), post)
     graph = outputs | {k: v.numpy() for k, v in computed.items()}
-    return [_masks.graph_prediction(graph, i, hw, hw, post) for i, hw in enumerate(SIZES)], outputs
+    return [_mask_predictions.graph_prediction(graph, i, hw, hw, post) for i, hw in enumerate(SIZES)], outputs
 
 
 PATHS = {"served": served, "graph": in_graph}
@@ -135,12 +135,13 @@ def _without_no_object(logits):
 
 
 def alter(monkeypatch, path: str, rule: str) -> None:
-    """One of d2export's rules altered on `path` (served: _masks' numpy; graph: mask_results' torch)."""
+    """One of d2export's rules altered on `path` (served: the _mask_* modules' numpy; graph: mask_results' torch)."""
     if rule == "overlap_threshold":  # the walk over the kept queries, shared by both ways of serving
-        segments = _masks._segments
-        monkeypatch.setattr(_masks, "_segments", lambda w, i, a, l, t, *rest: segments(w, i, a, l, t - 0.3, *rest))
+        segments = _mask_predictions._segments
+        monkeypatch.setattr(_mask_predictions, "_segments",
+                            lambda w, i, a, l, t, *rest: segments(w, i, a, l, t - 0.3, *rest))
     elif path == "served":
-        rules = _masks.Rules
+        rules = _mask_rules.Rules
         if rule == "object_mask_threshold":
             panoptic = rules.panoptic
             monkeypatch.setattr(rules, "panoptic", lambda self, c, n, t: panoptic(self, c, n, t - 0.3))

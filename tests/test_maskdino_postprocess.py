@@ -1,4 +1,4 @@
-"""MaskDINO's results served by its own rules (d2export/families/_masks.py's Scoring): against MaskDINO's inference
+"""MaskDINO's results served by its own rules (d2export/families/_mask_rules.py's Rules): against MaskDINO's inference
 (the stand-in in third_party/maskdino, upstream's semantics; with MASKDINO_SRC=<a MaskDINO checkout> upstream's own
 `maskdino/maskdino.py` too), through its eval `forward` on the same conditioned random head outputs: sigmoid class
 scores without "no object", the panoptic temperature, the cross-entropy semantic scores, boxes scaled to the
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from d2export.families import _masks
+from d2export.families import _mask_predictions
 from test_mask_postprocess import INPUTS, K, NAMES, ORIGINALS, Q, THINGS, differences, fake_outputs
 
 STANDIN = Path(__file__).resolve().parent.parent / "third_party" / "maskdino" / "maskdino" / "maskdino.py"
@@ -106,7 +106,7 @@ def test_prediction_is_maskdinos_forward(source, case, seed):
     outputs = maskdino_outputs(seed, 2, (32, 40))
     refs = reference(maskdino_methods(source), outputs, post)
     for i, ref in enumerate(refs):
-        prediction = _masks.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
+        prediction = _mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post)
         diff = differences(prediction, ref, INPUTS[i], ORIGINALS[i], post["sem_seg_postprocess_before_inference"])
         assert all(v == 0 for k, v in diff.items() if k != "score") and diff.get("score", 0) < 1e-6, diff
         if post["panoptic_on"]:
@@ -129,7 +129,7 @@ def test_mask2formers_rules_would_answer_otherwise():
     outputs = maskdino_outputs(0, 2, (32, 40))
     ref = reference(maskdino_methods(STANDIN), outputs, post)[0]
     wrong = dict(outputs, pred_logits=np.concatenate([outputs["pred_logits"], np.zeros((2, Q, 1), np.float32)], -1))
-    served = _masks.mask_prediction(wrong, 0, INPUTS[0], ORIGINALS[0], post | {"class_scores": "softmax"})
+    served = _mask_predictions.mask_prediction(wrong, 0, INPUTS[0], ORIGINALS[0], post | {"class_scores": "softmax"})
     diff = differences(served, ref, INPUTS[0], ORIGINALS[0], True)
     assert diff["semantic_pixels"] > 0 or diff["panoptic_pixels"] > 0 or diff["segments_differ"]
 
@@ -138,4 +138,4 @@ def test_missing_maskdino_settings_are_named():
     post = post_dict()
     del post["panoptic_temperature"]
     with pytest.raises(ValueError, match="no 'panoptic_temperature'"):
-        _masks.mask_prediction(maskdino_outputs(0, 1, (8, 8)), 0, (32, 32), (32, 32), post)
+        _mask_predictions.mask_prediction(maskdino_outputs(0, 1, (8, 8)), 0, (32, 32), (32, 32), post)

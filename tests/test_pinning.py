@@ -19,7 +19,7 @@ from torch import nn
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.verification import near_ties, pinning, graph_checks
+from d2export.verification import ladder, near_ties, pinning
 from d2export.verification.comparison import Case, VerificationError, compare_case
 
 FLOAT32 = pinning.Tolerances(atol=1e-3, rtol=1e-3, pixel_atol=1e-3)  # verify's defaults
@@ -72,7 +72,7 @@ def _module(built, name: str) -> nn.Module:
 @pytest.fixture
 def no_ladder(monkeypatch):
     """The parity ladder (run on every failure) is not what these tests look at; it costs a second export."""
-    monkeypatch.setattr(graph_checks, "_ladder_summary", lambda built: {"culprit": None})
+    monkeypatch.setattr(ladder, "_ladder_summary", lambda built: {"culprit": None})
 
 
 def _assert_pinned(verification: dict, precision_bound: float):

@@ -68,7 +68,7 @@ def test_infer_writes_segmentation_maps_as_png(tiny_export, tmp_path, monkeypatc
     from test_runtime_maps import segmentation_prediction
 
     from d2export.runtime.maps import read_png_map
-    from d2export.runtime.predictor import Processing
+    from d2export.runtime.processing import Processing
 
     # the tiny spotter's runs, answered as a segmentation model would (maps in the original picture's size)
     monkeypatch.setattr(Processing, "prediction", lambda self, outputs, index, input_hw, original_hw, *a, **k:

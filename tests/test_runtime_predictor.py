@@ -15,8 +15,9 @@ import torch
 
 from d2export.runtime.image_decoding import BadImage, ImageTooLarge, decode_image
 from d2export.families._text import bezier_polygon
-from d2export.runtime.predictor import (Predictor, Prepared, ProviderUnavailable, options_per_provider,
-                                        resolve_providers)
+from d2export.runtime.predictor import Predictor
+from d2export.runtime.processing import Prepared
+from d2export.runtime.providers import ProviderUnavailable, options_per_provider, resolve_providers
 
 REPO = Path(__file__).resolve().parent.parent
 # original sizes: upscaled non-square, downscaled portrait, and one where max_size caps the long edge
@@ -210,7 +211,7 @@ def _optimised_ops(tmp_path, graph, providers) -> tuple[list[str], list[str]]:
     import onnx
     import onnxruntime as ort
 
-    from d2export.runtime.predictor import disabled_optimizers, serving_settings
+    from d2export.runtime.providers import disabled_optimizers, serving_settings
 
     options = ort.SessionOptions()
     if providers is not None:
@@ -368,6 +369,8 @@ def test_runtime_imports_and_predicts_without_torch(tiny_export):
         "import d2export.runtime as rt\n"
         "import d2export.runtime.server, d2export.runtime.triton, d2export.runtime.infer, d2export.runtime.visualize\n"
         "import d2export.runtime.batch, d2export.runtime.triton_python\n"
+        "import d2export.runtime.providers, d2export.runtime.processing, d2export.runtime.model_loading\n"
+        "import d2export.runtime.serving_arguments\n"
         "import d2export.cli\n"
         "from d2export import families; assert families.families()  # every family module's top level\n"
         f"p = rt.Predictor({str(tiny_export[2])!r}, threads=1)\n"
@@ -384,7 +387,7 @@ def test_pictures_below_the_graphs_least_size_are_padded_up_to_it(tiny_export):
     the manifest says so and the runtime pads smaller pictures up to it, their own sizes kept for the results."""
     import dataclasses
 
-    from d2export.runtime.predictor import Processing
+    from d2export.runtime.processing import Processing
 
     _, manifest, _ = tiny_export
     narrowed = dataclasses.replace(manifest, preprocess=manifest.preprocess | {"min_input_size": [97, 65]})

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from d2export.exporting import lint as lint_module
-from d2export.verification.graph_checks import Subject, check_below_minimums, model_size_error
+from d2export.verification.float32 import check_below_minimums
+from d2export.verification.size_refusals import model_size_error
+from d2export.verification.subject import Subject
 from d2export.patching import Target
 
 

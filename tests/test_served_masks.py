@@ -1,8 +1,8 @@
-"""What a segmenter serves by default (the numpy rules of d2export/families/_masks.py on the head's `pred_logits` and
+"""What a segmenter serves by default (the numpy rules of families/_mask_predictions.py on the head's `pred_logits` and
 `pred_masks`), held at export to the model's own inference: each verification case's reference outputs served as
 the runtime serves them (the family's `prediction` with the manifest's postprocess section) against what the model's
 own semantic_inference, panoptic_inference and instance_inference returned in the same forward
-(d2export/verification/served_masks.py, called by graph_checks.verification_cases). On the tiny Mask2Former and on a tiny
+(d2export/verification/served_masks.py, called by cases.verification_cases). On the tiny Mask2Former and on a tiny
 MaskDINO (the tiny Mask2Former with MaskDINO's head outputs, config node and inference: third_party/maskdino, read
 against upstream's maskdino/maskdino.py), both ways of post-processing for MaskDINO; an altered rule is refused.
 """
@@ -18,9 +18,9 @@ import torch
 
 from d2export import pipeline
 from d2export.config import load
-from d2export.verification import graph_checks
+from d2export.verification import cases
 from d2export.verification.comparison import VerificationError
-from d2export.families import AdapterOptions, _masks
+from d2export.families import AdapterOptions, _mask_rules
 
 SIZES = "verify.sizes=[[128,160],[96,192]]"  # one size the model pads (to 32), one it does not; and a batch of both
 STANDIN = Path(__file__).resolve().parent.parent / "third_party" / "maskdino" / "maskdino" / "maskdino.py"
@@ -76,7 +76,7 @@ def as_maskdino(built, postprocess: str = "outside"):
 
 def _held(built) -> dict:
     """Verification's eager references (what this file looks at: the served results' check made with them)."""
-    graph_checks.verification_cases(built)
+    cases.verification_cases(built)
     return built.adapter.own_inference
 
 
@@ -108,14 +108,14 @@ def test_maskdinos_served_results_are_its_own(mask2former, postprocess):
 
 
 def _altered(monkeypatch, rule: str) -> None:
-    rules = _masks.Rules
+    rules = _mask_rules.Rules
     if rule == "score":  # instances scored by their class alone, not class x mask
         of = rules.of
         monkeypatch.setattr(rules, "of", lambda post: dataclasses.replace(of(post), focus_on_box=True))
     elif rule == "sigmoid":  # MaskDINO's instance classes by a softmax instead of its sigmoids
-        monkeypatch.setattr(rules, "instance", lambda self, logits: _masks.softmax(logits))
+        monkeypatch.setattr(rules, "instance", lambda self, logits: _mask_rules.softmax(logits))
     elif rule == "temperature":  # MaskDINO's semantic and panoptic scores without the sharpening softmax
-        monkeypatch.setattr(rules, "_sharpened", lambda self, logits: _masks.sigmoid(logits))
+        monkeypatch.setattr(rules, "_sharpened", lambda self, logits: _mask_rules.sigmoid(logits))
 
 
 @pytest.mark.parametrize("model, rule", [("mask2former", "score"), ("maskdino", "sigmoid"),

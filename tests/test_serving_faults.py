@@ -21,7 +21,8 @@ import pytest
 
 from d2export.resizing import synthetic_image
 from d2export.runtime.image_decoding import decode_image
-from d2export.runtime.predictor import ModelLoadError, Predictor
+from d2export.runtime.model_loading import ModelLoadError
+from d2export.runtime.predictor import Predictor
 from d2export.runtime.server import create_app, serving
 
 REPO = Path(__file__).resolve().parents[1]

@@ -127,7 +127,7 @@ def _subject(module, path):
     from types import SimpleNamespace
 
     from d2export.config import load
-    from d2export.verification.graph_checks import Subject
+    from d2export.verification.subject import Subject
 
     cfg = load("textdet_tiny", [f"export.output_dir={path.parent}", "export.dummy_sizes=[[128,160]]"])
     adapter = SimpleNamespace(
@@ -140,7 +140,7 @@ def _subject(module, path):
 
 @pytest.mark.parametrize("module, held, failed", [(SameEitherSide(), True, None), (Branch(), False, "128x100")])
 def test_below_a_minimum_the_graph_is_tried_against_the_model(module, held, failed, tmp_path):
-    from d2export.verification.graph_checks import check_below_minimums, sizes_below
+    from d2export.verification.float32 import check_below_minimums, sizes_below
 
     result = _export(module, tmp_path)
     assert result.size_assumptions.minimum == {"width": 101}
@@ -155,7 +155,7 @@ def test_below_a_minimum_the_graph_is_tried_against_the_model(module, held, fail
 
 
 def test_sizes_below_walk_each_axis_with_a_minimum_down_by_halves():
-    from d2export.verification.graph_checks import sizes_below
+    from d2export.verification.float32 import sizes_below
 
     assert sizes_below({"width": 65, "height": 65}, (160, 224)) == [(64, 64), (32, 32), (16, 16), (8, 8)]
     assert sizes_below({"height": 33, "width": 129}, (160, 224)) == [(32, 128), (16, 64), (8, 32), (8, 16), (8, 8)]

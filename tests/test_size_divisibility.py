@@ -94,19 +94,19 @@ def test_a_picture_of_any_size_is_served_padded_as_the_model_pads_it(exported):
 
 
 def test_sizes_the_user_gives_are_verified_as_given(exported, monkeypatch):
-    from d2export.verification import graph_checks
+    from d2export.verification import cases
 
     built = exported[0]
     monkeypatch.setattr(built.cfg.verify, "sizes", [[173, 217]])
     with pytest.raises(AssertionError) as e:
-        graph_checks.verification_cases(built)
+        cases.verification_cases(built)
     assert e.traceback[-1].path.name == "__init__.py" and "reduction" in str(e.traceback[-1].path)
 
 
 def test_other_failures_and_refusals_no_multiple_cures_end_the_export(exported, monkeypatch):
     from deepsolo.modeling import reduction
 
-    from d2export.verification import graph_checks
+    from d2export.verification import cases
 
     built = exported[0]
 
@@ -116,14 +116,14 @@ def test_other_failures_and_refusals_no_multiple_cures_end_the_export(exported, 
 
     monkeypatch.setattr(reduction, "reduction_cell", not_a_size_error)
     with pytest.raises(TypeError, match="the tokeniser takes no odd picture"):
-        graph_checks.verification_cases(built)
+        cases.verification_cases(built)
 
     def refuses_every_size(x, ratio):
         assert x.shape[-1] < 0, "no size"
 
     monkeypatch.setattr(reduction, "reduction_cell", refuses_every_size)
     with pytest.raises(AssertionError, match="no size"):
-        graph_checks.verification_cases(built)
+        cases.verification_cases(built)
 
 
 def test_padding_to_the_divisibility_fits_with_the_least_size():

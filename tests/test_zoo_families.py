@@ -222,7 +222,7 @@ def test_mask_rle_round_trips_and_is_coco_rle(with_pycocotools, monkeypatch):
 def test_semantic_resize_matches_torch_bilinear(size, out):
     from torch.nn import functional as F
 
-    from d2export.families._masks import resize_bilinear
+    from d2export.families._mask_resize import resize_bilinear
 
     x = torch.randn(3, size, size + 2)  # float32, as the graph's logits: the weights are torch's float32 ones
     want = F.interpolate(x[None], size=(out, out + 5), mode="bilinear", align_corners=False)[0]

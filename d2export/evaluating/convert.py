@@ -7,7 +7,8 @@ Both are in the original picture's pixels; fields map one to one:
     ctrl_points ↔ polygon (an open centre line)   bd ↔ boundary   recs (ids) ↔ text, `texts` keeps the strings
 
 Text reads with the model's character set and decoding (the manifest's `postprocess`: `charset`, `text_decoding`).
-A segmenter's whole output dict mirrors a Prediction's pixel maps too (`to_outputs`, `prediction_of`):
+A segmenter's whole output dict mirrors a Prediction's served kinds too (`to_outputs`, `prediction_of`), each as its
+declaration says (d2export/served_kinds/: `from_detectron2`, `to_detectron2`):
 
     sem_seg [K, H, W] scores ↔ semantic (their argmax)    panoptic_seg (ids, segments_info) ↔ panoptic, segments
 """
@@ -19,7 +20,8 @@ import numpy as np
 
 from d2export.charset import decode
 from d2export.families._text import bezier_polygon
-from d2export.instances import Instance, Prediction, Segment, decode_mask, encode_mask
+from d2export.instances import Instance, Prediction, decode_mask, encode_mask
+from d2export.served_kinds import kinds
 
 
 def _rows(value) -> np.ndarray:
@@ -110,38 +112,26 @@ def to_instances(prediction: Prediction, post: dict[str, Any]):
 
 def prediction_of(output: dict[str, Any], post: dict[str, Any]) -> Prediction:
     """A model's whole output dict for one picture (detectron2's: `instances`, and a segmenter's `sem_seg`,
-    `panoptic_seg`) → Prediction."""
+    `panoptic_seg`: each served kind's `from_detectron2`) → Prediction."""
+    values = {k.name: k.from_detectron2(output, post) for k in kinds("picture") if k.from_detectron2 is not None}
+    values = {name: value for name, value in values.items() if value is not None}
     if "instances" in output:
         prediction = to_prediction(output["instances"].to("cpu"), post)
-    else:  # a semantic or panoptic segmenter only
-        first = output["sem_seg"] if output.get("sem_seg") is not None else output["panoptic_seg"][0]
+    else:  # a semantic or panoptic segmenter only: the picture's size is its first map's
+        first = next(v for v in values.values() if isinstance(v, np.ndarray))
         prediction = Prediction(*map(int, first.shape[-2:]))
-    if output.get("sem_seg") is not None:
-        prediction.semantic = output["sem_seg"].argmax(dim=0).cpu().numpy().astype(np.int32)
-    if output.get("panoptic_seg") is not None:
-        ids, segments = output["panoptic_seg"]
-        names = post.get("class_names") or []
-        prediction.panoptic = ids.cpu().numpy().astype(np.int32)
-        prediction.segments = [Segment(int(s["id"]), int(s["category_id"]), bool(s["isthing"]),
-                                       names[s["category_id"]] if 0 <= s["category_id"] < len(names) else None)
-                               for s in segments]
+    for name, value in values.items():
+        setattr(prediction, name, value)
     return prediction
 
 
 def to_outputs(prediction: Prediction, post: dict[str, Any]) -> dict[str, Any]:
     """Prediction → the output dict a model's own inference gives, for any evaluator: `instances` (to_instances;
-    left out where the manifest says the model makes none: `instance_on` false); `sem_seg` one-hot [K, H, W] uint8
-    scores (K: `num_classes`), whose argmax is the served map (the runtime keeps the map, not the scores);
-    `panoptic_seg` (ids, segments_info)."""
-    import torch
-
+    left out where the manifest says the model makes none: `instance_on` false), then each served kind's entries
+    (`to_detectron2`): `sem_seg` one-hot [K, H, W] uint8 scores (K: `num_classes`), whose argmax is the served map
+    (the runtime keeps the map, not the scores); `panoptic_seg` (ids, segments_info)."""
     out = {"instances": to_instances(prediction, post)} if post.get("instance_on", True) else {}
-    if prediction.semantic is not None:
-        labels = torch.as_tensor(prediction.semantic, dtype=torch.int64)
-        k = int(post.get("num_classes") or int(labels.max()) + 1)
-        out["sem_seg"] = torch.zeros((k, *labels.shape), dtype=torch.uint8).scatter_(0, labels[None], 1)
-    if prediction.panoptic is not None:
-        out["panoptic_seg"] = (torch.as_tensor(prediction.panoptic),
-                               [{"id": s.id, "category_id": s.category_id, "isthing": s.isthing}
-                                for s in prediction.segments or []])
+    for kind in kinds("picture"):
+        if kind.to_detectron2 is not None:
+            out.update(kind.to_detectron2(prediction, post))
     return out

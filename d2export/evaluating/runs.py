@@ -17,6 +17,8 @@ from detectron2.evaluation import DatasetEvaluator, DatasetEvaluators
 from d2export.evaluating.convert import prediction_of, to_outputs
 from d2export.instances import Prediction
 from d2export.progress import steps
+from d2export.served_kinds import kinds
+from d2export.served_kinds.declaration import CATEGORICAL
 
 
 @dataclass
@@ -160,30 +162,30 @@ def _points(prediction: Prediction) -> list[np.ndarray]:
     return out
 
 
-MAP_SHARE = 0.001  # pixel maps differing in more of their pixels than this differ
+def _compared(kinds_: tuple, x: Any, y: Any) -> list[tuple[float, str]]:
+    """What the served kinds' own comparisons (d2export/served_kinds/) find between x and y, in the kinds' order."""
+    return [d for k in kinds_ if k.compare and (d := k.compare(getattr(x, k.name), getattr(y, k.name)))]
 
 
 def difference(a: Prediction, b: Prediction, pixels: float = 0.5) -> tuple[float, str] | None:
     """How two predictions of one picture differ, as (severity, what), or None where they agree: the number of
-    detections, a class or a transcription, the panoptic segments (id and class), points more than `pixels` apart,
-    masks differing in over 1% of their area, semantic or panoptic maps in over MAP_SHARE of their pixels. Severity
-    orders the worst first: a count difference above all, then labels and text, then masks, maps and distance."""
+    detections, a class or a transcription, each served kind as it declares (the panoptic segments' ids and classes;
+    semantic or panoptic maps in over MAP_SHARE of their pixels), points more than `pixels` apart, masks differing in
+    over 1% of their area. Severity orders the worst first: a count difference above all, then labels, text and
+    segments, then masks, maps and distance."""
     if len(a.instances) != len(b.instances):
         return 1e6 + abs(len(a.instances) - len(b.instances)), f"{len(a.instances)} vs {len(b.instances)} detections"
     for x, y in zip(a.instances, b.instances):
         if x.label != y.label:
-            return 1e5, f"class {x.label} vs {y.label}"
+            return CATEGORICAL, f"class {x.label} vs {y.label}"
         if (x.text or "") != (y.text or ""):
-            return 1e5, f"text {x.text!r} vs {y.text!r}"
-    segments = [[(s.id, s.category_id) for s in p.segments or []] for p in (a, b)]
-    if segments[0] != segments[1]:
-        return 1e5, f"panoptic segments {len(segments[0])} vs {len(segments[1])} (ids, classes)"
-    for key in ("semantic", "panoptic"):
-        x, y = getattr(a, key), getattr(b, key)
-        if x is not None and y is not None:
-            share = float(np.mean(x != y)) if x.shape == y.shape else 1.0
-            if share > MAP_SHARE:
-                return 1e4 * share, f"{key} maps differ in {share:.2%} of their pixels"
+            return CATEGORICAL, f"text {x.text!r} vs {y.text!r}"
+        found = _compared(kinds("instance"), x, y)
+        if found:
+            return found[0]
+    found = _compared(kinds("picture"), a, b)
+    if found:  # a categorical difference (the segments) before a graded one (a map's share of pixels)
+        return min(found, key=lambda d: d[0] < CATEGORICAL)
     gap = max((float(np.abs(p - q).max()) for p, q in zip(_points(a), _points(b)) if p.size and p.shape == q.shape),
               default=0.0)
     masks = [(x.mask, y.mask) for x, y in zip(a.instances, b.instances) if x.mask and y.mask]

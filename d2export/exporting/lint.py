@@ -34,7 +34,7 @@ class LintReport:
     size_assumptions: list[str] = field(default_factory=list)  # through torch.export: what it assumed of the sizes
     min_sizes: dict[str, int] = field(default_factory=dict)  # through torch.export: the least sizes it holds at
     never_one: list[str] = field(default_factory=list)  # through torch.export: axes traced as never 1
-    below_minimum: dict = field(default_factory=dict)  # tried below min_sizes (verifying.check_below_minimums)
+    below_minimum: dict = field(default_factory=dict)  # tried below min_sizes (float32.check_below_minimums)
 
     @property
     def serve_from(self) -> dict[str, int]:

@@ -8,8 +8,6 @@ import contextlib
 import functools
 import logging
 import os
-import traceback
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -20,7 +18,10 @@ import onnx
 import torch
 
 from d2export.config import EXPORTERS, D2ExportConfig
+from d2export.exporting.export_diagnosis import describe_export_failure, record_at_user_line
+from d2export.exporting.fused_op_translation import translations
 from d2export.exporting.size_assumptions import Assumptions, size_assumptions
+from d2export.exporting.torch_export_capture import capture, dynamic_shapes
 from d2export.manifest import staged
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def export_onnx(
         with warnings.catch_warnings():
             warnings.simplefilter("always", torch.jit.TracerWarning)
             caught: list[warnings.WarningMessage] = []
-            warnings.showwarning = functools.partial(_record_at_user_line, caught)
+            warnings.showwarning = functools.partial(record_at_user_line, caught)
             try:
                 assumed = _run_exporter(module, args, tmp, input_names, output_names, dynamic_axes, opset, exporter)
             except Exception as e:  # the exporter's own errors are long and name no module: say what and where
@@ -98,29 +99,6 @@ def export_scope(built) -> Iterator:
         yield report
 
 
-def _record_at_user_line(caught, message, category, filename, lineno, file=None, line=None):
-    """A TracerWarning names the torch frame that raised it (torch/nn/functional.py, …); record it at the
-    innermost frame of the model's own code instead, which is where a value left the graph."""
-    if not issubclass(category, torch.jit.TracerWarning):
-        return
-    if not _is_model_code(filename):
-        for frame in reversed(traceback.extract_stack()[:-1]):
-            if _is_model_code(frame.filename):
-                message = f"{message} (raised in {filename}:{lineno})"
-                filename, lineno = frame.filename, frame.lineno
-                break
-    caught.append(warnings.WarningMessage(message, category, filename, lineno))
-
-
-def _is_model_code(filename: str) -> bool:
-    """Not torch, an installed library, the standard library or this exporter: the code being exported."""
-    return not ("site-packages" in filename or "/torch/" in filename or filename.startswith("<")
-                or filename.startswith(_STDLIB) or "d2export/exporting" in filename)
-
-
-_STDLIB = os.path.dirname(os.__file__)
-
-
 def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, opset, exporter):
     """Writes the graph to `dst`; through torch.export, returns what the capture assumed of the dynamic axes' sizes
     (size_assumptions), through TorchScript None (its lint traces again)."""
@@ -131,18 +109,18 @@ def _run_exporter(module, args, dst, input_names, output_names, dynamic_axes, op
             torch.onnx.export(module, args, str(dst), dynamic_axes=dynamic_axes, dynamo=False,
                               do_constant_folding=True, **kwargs)
         else:
-            shapes = _dynamic_shapes(args, input_names, dynamic_axes)
+            shapes = dynamic_shapes(args, input_names, dynamic_axes)
             # torch.export translates to opset 18 and up; asked for less, it tries onnx's version converter, which
             # has no adapter for these graphs' Pad, and prints the converter's traceback: the graph stays at 18
             kwargs["opset_version"] = max(opset, 18)
             # the route's phases said as they end: each takes minutes on a full-size model
             with _phase("torch.export captured the program"):
-                captured = _capture(module, args, shapes)
+                captured = capture(module, args, shapes)
                 assumed = size_assumptions(captured, input_names, dynamic_axes or {})
             with _quiet_loggers("onnxscript", "onnx_ir"):  # a line per rewrite and folded node at INFO
                 with _phase("torch.onnx decomposed and translated it"):
                     program = torch.onnx.export(captured, dynamo=True, optimize=False, verbose=False,
-                                                custom_translation_table=_translations(), **kwargs)
+                                                custom_translation_table=translations(), **kwargs)
                 with _phase("onnxscript folded its constants"):
                     _fold(program.model)
             program.save(str(dst))
@@ -155,69 +133,6 @@ def _phase(what: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     log.info("%s in %.1f s", what, time.perf_counter() - start)
-
-
-def _capture(module, args, shapes) -> torch.export.ExportedProgram:
-    """torch.export's program of `module(*args)` as torch.onnx would capture it (non-strict, then strict; a size
-    guard the declared axes break retried with torch's suggested fix, as it does), captured here so that the program
-    is read before torch.onnx drops its runtime asserts: the lint reads what it assumed of the sizes from it."""
-    from torch.export.dynamic_shapes import refine_dynamic_shapes_from_suggested_fixes
-
-    def attempt(strict: bool, shapes) -> torch.export.ExportedProgram:
-        # as torch.onnx: size-oblivious 0/1 sizes, runtime asserts instead of guards where torch can defer them
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
-            return torch.export.export(module, args, dynamic_shapes=shapes, strict=strict,
-                                       prefer_deferred_runtime_asserts_over_guards=True)
-
-    failures = []
-    for strict in (False, True):
-        try:
-            try:
-                return attempt(strict, shapes)
-            except torch._dynamo.exc.UserError as e:
-                try:
-                    refined = refine_dynamic_shapes_from_suggested_fixes(e.msg, shapes)
-                except Exception:
-                    raise e from None  # no fix torch suggests: its own error says what broke
-                return attempt(strict, refined)
-        except Exception as e:  # noqa: BLE001  (the next way, as torch.onnx tries it)
-            failures.append(e)
-    raise failures[0]
-
-
-def _translations() -> dict:
-    """d2export's own ops as torch.export records them -> their ONNX nodes: the fused MSDA as the one node of
-    d2export's domain the TorchScript route writes (float32 and int64 operands, the types its kernel declares)."""
-    import onnxscript
-    from onnxscript import opset18 as op
-
-    import d2export.ops.msda  # noqa: F401  (registers torch.ops.d2export.fused_msda)
-    from d2export.kernels.custom_ops import DOMAIN, FUSED_MSDA, FUSED_MSDA_INPUTS
-
-    _declare(DOMAIN, FUSED_MSDA, FUSED_MSDA_INPUTS, ("float", "int64", "int64", "float", "float"))
-    ours = onnxscript.values.Opset(DOMAIN, 1)
-    float32, int64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT64
-
-    def fused(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
-        return getattr(ours, FUSED_MSDA)(op.Cast(value, to=float32), op.Cast(spatial_shapes, to=int64),
-                                         op.Cast(level_start_index, to=int64), op.Cast(sampling_locations, to=float32),
-                                         op.Cast(attention_weights, to=float32))
-
-    return {torch.ops.d2export.fused_msda.default: fused}
-
-
-def _declare(domain: str, name: str, inputs: Sequence[str], types: Sequence[str]) -> None:
-    """Our node's schema for onnx (once per process): asked for an opset above 18, the exporter converts its
-    opset-18 graph, and onnx's version converter refuses a node it knows no schema of."""
-    try:
-        from onnx.defs import OpSchema, has, register_schema
-    except ImportError:  # onnx < 1.16 registers none: the graph stays at the exporter's opset
-        return
-    if has(name, domain):
-        return
-    param = OpSchema.FormalParameter
-    register_schema(OpSchema(name, domain, 1, inputs=[param(n, f"tensor({t})") for n, t in zip(inputs, types)],
-                             outputs=[param("out", "tensor(float)")]))
 
 
 def _fold(model) -> None:
@@ -269,86 +184,9 @@ def _axis_names(axes: dict[int, str]) -> set[str]:
     return set(axes.values())
 
 
-def _dynamic_shapes(args, input_names, dynamic_axes):
-    if not dynamic_axes:
-        return None
-    dims: dict[str, torch.export.Dim] = {}
-
-    def dim(name: str):
-        return dims.setdefault(name, torch.export.Dim(name, min=1))
-
-    return tuple({i: dim(n) for i, n in dynamic_axes.get(name, {}).items()} or None for name in input_names)
-
-
 def _slim(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         import onnxslim
     except ImportError as e:
         raise ExportError("export.simplify=true needs onnxslim: pip install 'd2export[slim]'") from e
     return onnxslim.slim(model)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def _user_frame(error: BaseException) -> str:
-    """The innermost frame outside torch and site-packages across the exception's causes: where the model's code
-    was when the exporter gave up."""
-    found = ""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        for frame in traceback.extract_tb(error.__traceback__):
-            if _is_model_code(frame.filename):
-                found = f"{frame.filename}:{frame.lineno} ({frame.name}): {frame.line}"
-        error = error.__cause__ or error.__context__
-    return found
-
-
-_UNSUPPORTED = re.compile(r"operator '?(?P<op>[\w:.]+)'? to ONNX opset version (?P<opset>\d+)", re.I)
-
-
-def describe_export_failure(error: Exception, module: torch.nn.Module, args: tuple) -> str:
-    """One line that names the unsupported operator and the module paths and source lines that produced it."""
-    text = _ANSI.sub("", str(error))
-    summary = text.split("## Exception summary", 1)[-1].strip()  # torch.export's errors put the cause there
-    msg = summary.splitlines()[0] if summary else type(error).__name__
-    m = _UNSUPPORTED.search(text)
-    if not m:
-        where = _user_frame(error)
-        return f"export failed: {msg}" + (f"\n  at {where}" if where else "")
-    op = m.group("op")
-    where = locate_op(module, args, op if "::" in op else f"aten::{op}")
-    lines = [f"unsupported operator {op} at opset {m.group('opset')}"]
-    lines += [f"  from {scope or '<top>'} at {source}" for scope, source in where[:5]]
-    if not where:
-        lines.append("  (could not locate it in the traced graph)")
-    return "\n".join(lines)
-
-
-def locate_op(module: torch.nn.Module, args: tuple, kind: str) -> list[tuple[str, str]]:
-    """Module paths and source lines of every `kind` node in a trace of `module(*args)`."""
-    names = {m: n for n, m in module.named_modules()}
-    saved = torch.jit._trace._trace_module_map
-    torch.jit._trace._trace_module_map = names  # makes the tracer record module scopes
-    try:
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore")
-            graph = torch.jit.trace(module, args, check_trace=False, strict=False).inlined_graph
-    except Exception:
-        return []
-    finally:
-        torch.jit._trace._trace_module_map = saved
-    found = []
-    for node in graph.nodes():
-        if node.kind() == kind:
-            scope = node.scopeName().split("/")[-1].replace("__module.", "")
-            found.append((scope, _source_line(node)))
-    return list(dict.fromkeys(found))
-
-
-def _source_line(node) -> str:
-    """The innermost frame of the node's recorded Python stack that is the model's own code, not torch's."""
-    stack = [line.strip() for line in node.sourceRange().strip().splitlines()]
-    own = [line for line in stack if _is_model_code(line)]
-    return (own or stack or ["<unknown>"])[0]

@@ -10,12 +10,12 @@ outputs what the head hands the model's post-processing:
   model's size divisibility, 32); a picture's own part is its top-left (h/4, w/4).
 The data-dependent post-processing stays out of the graph: serving computes the semantic map, the panoptic
 segments and the instances from these outputs as the model's own three inference functions do
-(d2export/families/_masks.py), with the thresholds of the model's config.
+(d2export/families/_mask_predictions.py), with the thresholds of the model's config.
 """
 from __future__ import annotations
 
 from d2export.families import AdapterOptions, Family, FamilyError, find_child
-from d2export.families._masks import GRAPH_KINDS
+from d2export.families._mask_predictions import GRAPH_KINDS
 
 HEAD = ("pixel_decoder", "predictor")
 DECODER = ("forward_prediction_heads", "class_embed", "mask_embed", "num_queries")
@@ -78,7 +78,7 @@ class Mask2Former(Family):
         pre = self.preprocess(d2cfg)
         task = str(d2cfg.MODEL.TEST.TASK) if _task_conditioned(model) else None
         boxes = hasattr(model.sem_seg_head.predictor, "bbox_embed")
-        from d2export.families._masks import GRAPH_AXES, graph_output_names
+        from d2export.families._mask_predictions import GRAPH_AXES, graph_output_names
 
         post = self.postprocess(d2cfg) if options.postprocess == "graph" else None
         results = {name: GRAPH_AXES[name] for name in graph_output_names(post)} if post else None
@@ -107,7 +107,7 @@ class Mask2Former(Family):
                     {"task": str(task)} if (task := getattr(d2cfg.MODEL.get("TEST"), "TASK", None)) else {})
 
     def prediction(self, outputs, index, input_hw, original_hw, post, threshold):
-        from d2export.families._masks import graph_prediction, mask_prediction
+        from d2export.families._mask_predictions import graph_prediction, mask_prediction
 
         predict = graph_prediction if post.get("in_graph") else mask_prediction
         return predict(outputs, index, input_hw, original_hw, post, threshold)
@@ -122,7 +122,7 @@ def _task_conditioned(model) -> bool:
 
 
 def _maskdino_rules(d2cfg) -> dict:
-    """MaskDINO scores classes by a sigmoid, K of them (d2export/families/_masks.py's Rules), with the settings of
+    """MaskDINO scores classes by a sigmoid, K of them (d2export/families/_mask_rules.py's Rules), with the settings of
     its TEST node as its from_config reads them."""
     if not hasattr(d2cfg.MODEL, "MaskDINO"):
         return {"class_scores": "softmax"}
@@ -134,8 +134,8 @@ def _maskdino_rules(d2cfg) -> dict:
 
 
 def _oneformer_rules(d2cfg, meta) -> dict:
-    """OneFormer's instance rules (its instance_inference; d2export/families/_masks.py's Rules): its demo mode keeps
-    the pairs scoring over the object threshold; on ADE20K (the dataset's name says it) the instance task numbers
+    """OneFormer's instance rules (its instance_inference; d2export/families/_mask_rules.py's Rules): its demo mode
+    keeps the pairs scoring over the object threshold; on ADE20K (the dataset's name says it) the instance task numbers
     classes among the things' dataset ids; DETECTION_ON boxes the masks."""
     if not hasattr(d2cfg.MODEL, "ONE_FORMER"):
         return {}

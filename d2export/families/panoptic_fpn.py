@@ -14,7 +14,7 @@ import numpy as np
 
 from d2export.families import AdapterOptions
 from d2export.families._detections import Detectron2Detections, dataset_metadata, detection_postprocess
-from d2export.families._masks import resize_bilinear
+from d2export.families._mask_resize import resize_bilinear
 from d2export.families.rcnn import has_rcnn_inference
 from d2export.instances import Instance, decode_mask, encode_mask
 

@@ -86,7 +86,7 @@ def multi_scale_deformable_attention(value: torch.Tensor, spatial_shapes: torch.
     compute = torch.promote_types(value.dtype, torch.float32)
     args = (_to(value, compute), spatial_shapes, level_start_index, _to(sampling_locations, compute),
             _to(attention_weights, compute))
-    if name == "fused":  # torch.export records the custom op, onnx_export translates it to the same node
+    if name == "fused":  # torch.export records the custom op, fused_op_translation makes it the same node
         out = fused_msda(*args) if torch.compiler.is_exporting() else _FusedMSDA.apply(*args)
     else:
         out = _gather(*args) if name == "gather" else _per_level_grid_sample(*args)
@@ -277,7 +277,7 @@ class _FusedMSDA(torch.autograd.Function):
 def fused_msda(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
                sampling_locations: torch.Tensor, attention_weights: torch.Tensor) -> torch.Tensor:
     """The fused node for torch.export (an autograd.Function's symbolic is TorchScript's alone): eagerly the gather
-    formulation, recorded as one op that d2export.exporting.onnx_export translates to the custom-domain node."""
+    formulation, recorded as one op that d2export.exporting.fused_op_translation makes the custom-domain node."""
     return _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, chunks=1)
 
 

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 from importlib import import_module
 
-_LAZY = {
-    "Predictor": "predictor", "Prediction": "predictor", "Instance": "predictor", "TextInstance": "predictor",
-    "ProviderUnavailable": "predictor", "Processing": "predictor", "BadImage": "images", "decode_image": "images", "read_image": "images",
+_LAZY = {  # name → its module: one of the runtime's, or a dotted path from d2export's root (the served types)
+    "Predictor": "predictor", "Prediction": "d2export.instances", "Instance": "d2export.instances",
+    "TextInstance": "d2export.instances", "ProviderUnavailable": "providers", "Processing": "processing",
+    "BadImage": "image_decoding", "decode_image": "image_decoding", "read_image": "image_decoding",
     "draw_prediction": "visualize", "create_app": "server", "write_repository": "triton", "parse_pbtxt": "triton",
 }
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+        module = _LAZY[name]
+        return getattr(import_module(module if "." in module else f"{__name__}.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

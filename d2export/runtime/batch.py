@@ -4,7 +4,8 @@
     → Ray tasks read, decode and resize (the predictor's own `Processing.prepare`)
     → an actor pool runs the graph (one onnxruntime session per actor, `--threads` each) and post-processes
     → Ray Data writes OUTPUT/*.parquet or *.jsonl: path, height, width, instances, error; for a segmentation model
-      also semantic and panoptic (PNG bytes; in JSON lines base64, as `d2export serve` answers) and segments
+      also a column per served kind of the picture (d2export/served_kinds/): semantic and panoptic (PNG bytes; in
+      JSON lines base64, as `d2export serve` answers) and segments (JSON)
 
 A picture that cannot be read or decoded becomes a row with its error, never a failed job. Rows are written as blocks
 finish, so an interrupted run leaves complete files behind; a rerun skips the pictures they hold (and removes a file
@@ -34,22 +35,31 @@ from fsspec.utils import glob_translate
 from d2export.argparsing import parser
 from d2export.manifest import manifest_path
 from d2export.runtime.image_decoding import IMAGE_SUFFIXES, decode_image
-from d2export.runtime.predictor import (PROVIDERS, Prepared, Processing, ProviderUnavailable,
-                                        add_predictor_arguments, load_manifest, resolve_providers)
+from d2export.runtime.model_loading import load_manifest
+from d2export.runtime.processing import Prepared, Processing
+from d2export.runtime.providers import PROVIDERS, ProviderUnavailable, resolve_providers
+from d2export.runtime.serving_arguments import add_predictor_arguments
+from d2export.served_kinds import kinds
 
 FORMATS = {"parquet": ".parquet", "jsonl": ".jsonl"}
 DECODE_CPUS = 0.5  # Ray CPUs per decoding task
 
 
+def kind_columns() -> list:
+    """The served kinds with a column of their own (per picture, in order): a file form's PNG bytes ("binary"), or
+    the JSON form as text ("string"); per-instance kinds ride in `instances`."""
+    return [k for k in kinds("picture") if k.column is not None]
+
+
 def row_schema(maps: bool = False):
-    """The rows' columns; `maps`: a segmentation model's too (the PNG files d2export/runtime/maps.py writes, and the
+    """The rows' columns; `maps`: a segmentation model's too (`kind_columns`: the PNG files `infer` writes, and the
     panoptic map's segments as JSON), only then, so other models' files stay as they were."""
     import pyarrow as pa
 
     columns = [("path", pa.string()), ("height", pa.int64()), ("width", pa.int64()), ("instances", pa.string()),
                ("error", pa.string())]
     if maps:
-        columns += [("semantic", pa.binary()), ("panoptic", pa.binary()), ("segments", pa.string())]
+        columns += [(k.name, getattr(pa, k.column)()) for k in kind_columns()]
     return pa.schema(columns)
 
 
@@ -224,9 +234,7 @@ class InferActor:
 
         n = len(batch["path"])
         instances: list[str | None] = [None] * n
-        semantic: list[bytes | None] = [None] * n
-        panoptic: list[bytes | None] = [None] * n
-        segments: list[str | None] = [None] * n
+        extra: dict[str, list[bytes | str | None]] = {k.name: [None] * n for k in kind_columns()} if self.maps else {}
         errors = [str(e) or None for e in batch["error"]]
         ok = [i for i in range(n) if errors[i] is None]
         prepared = [Prepared(batch["chw"][i], int(batch["height"][i]), int(batch["width"][i])) for i in ok]
@@ -235,14 +243,15 @@ class InferActor:
             instances[ok[j]] = json.dumps(d["instances"], ensure_ascii=False)
             if self.maps:
                 pngs = map_pngs(prediction)
-                semantic[ok[j]], panoptic[ok[j]] = pngs.get("semantic"), pngs.get("panoptic")
-                if "segments" in d:
-                    segments[ok[j]] = json.dumps(d["segments"], ensure_ascii=False)
+                for kind in kind_columns():
+                    if kind.png is not None:
+                        extra[kind.name][ok[j]] = pngs.get(kind.name)
+                    elif kind.name in d:
+                        extra[kind.name][ok[j]] = json.dumps(d[kind.name], ensure_ascii=False)
         heights = [None if e else int(h) for e, h in zip(errors, batch["height"])]
         widths = [None if e else int(w) for e, w in zip(errors, batch["width"])]
         columns = [list(batch["path"]), heights, widths, instances, errors]
-        return pa.table(columns + ([semantic, panoptic, segments] if self.maps else []),
-                        schema=row_schema(self.maps))
+        return pa.table(columns + list(extra.values()), schema=row_schema(self.maps))
 
 
 def jsonl_datasink(output: str, rows_per_file: int):
@@ -259,12 +268,13 @@ def jsonl_datasink(output: str, rows_per_file: int):
                 line = ({"path": row["path"], "error": row["error"]} if row["error"] is not None else
                         {"path": row["path"], "height": row["height"], "width": row["width"],
                          "instances": json.loads(row["instances"])})
-                for key in ("semantic", "panoptic"):
-                    if row.get(key) is not None:
-                        line[key] = {"shape": [row["height"], row["width"]],
-                                     "png_base64": base64.b64encode(row[key]).decode("ascii")}
-                if row.get("segments") is not None:
-                    line["segments"] = json.loads(row["segments"])
+                for kind in kind_columns():
+                    value = row.get(kind.name)
+                    if value is None:
+                        continue
+                    line[kind.name] = ({"shape": [row["height"], row["width"]],  # a file form: a pixel map
+                                        "png_base64": base64.b64encode(value).decode("ascii")}
+                                       if kind.png is not None else json.loads(value))
                 lines.append(json.dumps(line, ensure_ascii=False) + "\n")
             file.write("".join(lines).encode("utf-8"))
 

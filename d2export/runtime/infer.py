@@ -13,7 +13,9 @@ from typing import Iterable, Iterator
 
 from d2export.argparsing import parser
 from d2export.runtime.image_decoding import IMAGE_SUFFIXES, BadImage, read_image
-from d2export.runtime.predictor import ProviderUnavailable, add_predictor_arguments, predictor_from_args
+from d2export.runtime.providers import ProviderUnavailable
+from d2export.runtime.serving_arguments import add_predictor_arguments, predictor_from_args
+from d2export.served_kinds import kinds
 
 
 def image_files(paths: Iterable[str]) -> list[Path]:
@@ -46,7 +48,8 @@ def shown(path: Path) -> str:
 
 def _unique(stem: str, used: set[str]) -> str:
     """A safe `stem` (letters, digits, `_-.` only, no leading dot), or `stem_1`, … where folders hold pictures of the
-    same name: the picture's files are `<stem>.png` (--vis), `<stem>.semantic.png` and `<stem>.panoptic.png`."""
+    same name: the picture's files are `<stem>.png` (--vis) and a file per served kind with one (`<stem>.semantic.png`,
+    `<stem>.panoptic.png`)."""
     stem = re.sub(r"[^\w.-]", "_", shown(Path(stem))).lstrip(".") or "image"
     name, i = stem, 0
     while name in used:
@@ -65,18 +68,35 @@ def maps_folder(maps: str | None, output: str, vis: str | None) -> Path:
     return Path(vis) if vis else Path("maps")
 
 
-def write_maps(result, folder: Path, stem: str) -> dict[str, dict]:
-    """The prediction's pixel maps as `<folder>/<stem>.<map>.png` (see d2export/runtime/maps.py); their JSON entries,
-    each naming its file."""
-    from d2export.runtime.maps import map_pngs
+def _file_kinds() -> list:
+    return [k for k in kinds("picture") if k.png is not None]
 
+
+def has_maps(result) -> bool:
+    """Whether the prediction holds a served kind that is written as a file (a segmentation model's pixel maps)."""
+    return any(getattr(result, k.name) is not None for k in _file_kinds())
+
+
+def write_maps(result, folder: Path, stem: str) -> dict[str, dict]:
+    """The prediction's served kinds with a file form as `<folder>/<stem><suffix>` (`<stem>.semantic.png`, …: see
+    d2export/served_kinds/); their JSON entries, each its JSON form naming its file."""
     entries = {}
-    for key, data in map_pngs(result).items():
+    for kind in _file_kinds():
+        value = getattr(result, kind.name)
+        if value is None:
+            continue
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{stem}.{key}.png"
-        path.write_bytes(data)
-        entries[key] = {"shape": list(getattr(result, key).shape), "png": shown(path)}
+        path = folder / f"{stem}{kind.png.suffix}"
+        path.write_bytes(kind.png.encode(value))
+        entries[kind.name] = kind.to_json(value) | {"png": shown(path)}
     return entries
+
+
+def _maps_help() -> str:
+    suffixes = [k.png.suffix for k in _file_kinds()]
+    files = " and ".join([", ".join(suffixes[:-1]), suffixes[-1]] if len(suffixes) > 1 else suffixes)
+    return (f"segmentation models: write <DIR>/<name>{files} (default: the -o file's folder; with stdout, the --vis "
+            "folder, else ./maps)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--output", default="-", help="JSON lines file (-: stdout)")
     ap.add_argument("--vis", default=None, metavar="DIR", help="write <DIR>/<name>.png with outlines and labels (default: no pictures)")
     ap.add_argument("--maps", default=None, metavar="DIR",
-                    help="segmentation models: write <DIR>/<name>.semantic.png and .panoptic.png (default: the -o "
-                         "file's folder; with stdout, the --vis folder, else ./maps)")
+                    help=_maps_help())
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     try:
@@ -113,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                 image = read_image(f)
                 result = predictor.predict(image)
                 line = {"file": shown(f)} | result.to_dict()
-                has_maps = result.semantic is not None or result.panoptic is not None
-                stem = _unique(f.stem, used) if vis or has_maps else None
-                if has_maps:
+                with_maps = has_maps(result)
+                stem = _unique(f.stem, used) if vis or with_maps else None
+                if with_maps:
                     line.update(write_maps(result, maps, stem))
                 if vis:
                     draw_prediction(image, result, class_names=class_names).save(vis / f"{stem}.png", format="PNG")

@@ -4,217 +4,32 @@ It reproduces detectron2's DefaultPredictor around the exported graph: the pictu
 format, resized by ResizeShortestEdge(min_size_test, max_size_test), fed with the original size as the output size;
 the graph returns coordinates in resized-input pixels, and the model's family (named by the manifest,
 d2export/families) turns them into `Instance`s of the original picture. The session is built once; `run` is safe to
-call from several threads.
+call from several threads. The work around the graph is `Processing`'s (processing.py); the Predictor adds the session.
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from d2export import families
-from d2export.resizing import pad_batch, resize_shortest_edge, resized_shape
-from d2export.instances import Instance, Prediction, TextInstance  # noqa: F401 - the runtime's public types
-from d2export.manifest import Manifest, manifest_path, sha256_file
+from d2export.instances import Prediction
 from d2export.kernels import custom_ops
 from d2export.runtime.bound_runs import BoundRuns
-from d2export.runtime.image_decoding import UnusableImage
+from d2export.runtime.model_loading import ModelLoadError, check_schema, load_manifest
 from d2export.runtime.optimized_cache import create_session
+from d2export.runtime.processing import Prepared, Processing, equal_size_groups
+from d2export.runtime.providers import (PROVIDERS, ProviderUnavailable, disabled_optimizers, resolve_providers,
+                                        serving_settings)
 
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-PIXEL_FORMATS = ("RGB", "BGR")
 log = logging.getLogger("d2export")
-ORT_TYPE_NAMES = {"float32": "float", "float64": "double"}  # numpy dtype names onnxruntime spells otherwise
-
-
-class ProviderUnavailable(RuntimeError):
-    pass
-
-
-class ModelLoadError(ValueError):
-    """The model or its manifest is missing, unreadable or not the pair they claim to be: one line, naming the file."""
-
-
-@dataclass
-class Prepared:
-    """One picture ready for the graph: CHW uint8 in the model's pixel format, resized, and its original size."""
-
-    chw: np.ndarray
-    height: int
-    width: int
-
-
-def equal_size_groups(prepared: Iterable[Prepared]) -> list[list[int]]:
-    """Indices grouped by the pictures' size in the graph (first appearance first)."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prepared):
-        groups.setdefault(p.chw.shape, []).append(i)
-    return list(groups.values())
-
-
-def resolve_providers(names: Sequence[str]) -> list[str]:
-    """Short names (cpu, cuda, tensorrt) or onnxruntime's own → provider names, refusing any not installed.
-    The CPU provider is appended as the fallback for nodes the others do not take."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    chosen = []
-    for name in names:
-        full = PROVIDERS.get(name.lower(), name)
-        if full not in available:
-            hint = " (install onnxruntime-gpu with a matching CUDA/TensorRT)" if full != PROVIDERS["cpu"] else ""
-            raise ProviderUnavailable(f"execution provider {name!r} ({full}) was asked for, but this onnxruntime "
-                                      f"{ort.__version__} offers only {', '.join(available)}{hint}")
-        chosen.append(full)
-    return list(dict.fromkeys(chosen + [PROVIDERS["cpu"]]))
-
-
-# onnxruntime's graph transformer that turns MatMul + Add on known shapes into Gemm: on CUDA the Gemm first writes its
-# bias into the output with a broadcast kernel (`BroadcastBiasKernel`: 6.4 of 62.8 ms a call measured, float16 batch
-# 8 on an H200), then cuBLAS adds the product to it; without the fusion the bias is one elementwise Add
-DISABLED_OPTIMIZERS_KEY = "optimization.disable_specified_optimizers"  # a session config entry, names joined by ;
-CUDA_DISABLED_OPTIMIZERS = ("MatMulAddFusion",)
-# The CPU's own sessions: that Gemm and onnxruntime's SkipLayerNormalization (Add + LayerNormalization) measured
-# slower than the nodes they replace on the CPU, in torch.export's graphs (2D linears, where TorchScript's are 3D and
-# meet neither): R-50 TESTR 640², fused, 2 threads, Intel Xeon AVX-512/AMX: 1238 -> 1176 ms (TorchScript's graph
-# 1147 -> 1149); gather 1941 -> 1902 ms (1836 -> 1845)
-CPU_DISABLED_OPTIMIZERS = ("MatMulAddFusion", "SkipLayerNormFusion")
-
-
-def cuda_options(precision: str = "float32", tf32: bool = False) -> dict[str, str]:
-    """The CUDA provider's options d2export serves a graph of `precision` with (the manifest's: float32, float16,
-    int8). `use_tf32`: a float32 graph is served in float32, as verified (TF32's 10 mantissa bits swap a two-stage
-    model's near-tied proposals: measured on R-50 TESTR, whole detections 624 px apart) unless `tf32`; a float16
-    graph gets it on, because onnxruntime's cuDNN-9 convolutions leave out the tensor-core engines whenever it is off,
-    float16 ones included (TF32 touches only float32 arithmetic: the nodes a float16 graph keeps in float32, Softmax
-    and MSDA's sampling, have float16's 10 mantissa bits anyway). `fuse_conv_bias`: cuDNN adds a convolution's bias in
-    the same kernel instead of a second one. `prefer_nhwc`: channels-last convolutions, the tensor cores' layout, where
-    they run (float16, or TF32). Proposed from onnxruntime's source; their GPU figures are `tools/benchmark.py gpu`'s
-    rows (docs/gpu.md)."""
-    tensor_cores = tf32 or precision == "float16"
-    on = "1" if tensor_cores else "0"
-    return {"use_tf32": on, "fuse_conv_bias": "1", "prefer_nhwc": on}
-
-
-def options_per_provider(providers: Sequence[str], tf32: bool = False, given: Sequence[dict] | None = None,
-                         precision: str = "float32") -> list[dict]:
-    """Each provider's options: `given` (one dict per provider, in order) over d2export's defaults (on CUDA
-    `cuda_options(precision, tf32)`), so the provider serves what verification compared."""
-    given = list(given or [])
-    given += [{}] * (len(providers) - len(given))
-    return [(cuda_options(precision, tf32) if p == PROVIDERS["cuda"] else {}) | dict(g)
-            for p, g in zip(providers, given)]
-
-
-def serving_settings(options, providers: Sequence[str], precision: str = "float32", tf32: bool = False,
-                     given: Sequence[dict] | None = None) -> list[dict]:
-    """What a session of `providers` serving a graph of `precision` gets, for the Predictor and for verification
-    alike: `options` (onnxruntime SessionOptions) with `CUDA_DISABLED_OPTIMIZERS` turned off where CUDA serves,
-    `CPU_DISABLED_OPTIMIZERS` where the CPU alone does; returns each provider's options (`options_per_provider`)."""
-    off = CUDA_DISABLED_OPTIMIZERS if PROVIDERS["cuda"] in providers else CPU_DISABLED_OPTIMIZERS
-    options.add_session_config_entry(DISABLED_OPTIMIZERS_KEY, ";".join(off))
-    return options_per_provider(providers, tf32, given, precision)
 
 
 def _no_cuda_graphs(runs_on: str) -> None:
     log.warning("cuda graphs: not used: they need the CUDA provider (the session runs on %s)", runs_on)
-
-
-def disabled_optimizers(session) -> list[str]:
-    """The graph transformers a session was built without (for metadata and the manifest)."""
-    try:
-        value = session.get_session_options().get_session_config_entry(DISABLED_OPTIMIZERS_KEY)
-    except RuntimeError:  # onnxruntime's answer for an entry never set
-        return []
-    return [name for name in value.split(";") if name]
-
-
-class Processing:
-    """The model's pre- and post-processing as its manifest describes them, without a session: cheap to build and to
-    pickle, so Ray tasks and Triton's Python backend run the very code the predictor runs."""
-
-    def __init__(self, manifest: Manifest, score_threshold: float | None = None, min_size: int | None = None,
-                 max_size: int | None = None):
-        """`score_threshold`, `min_size` and `max_size` override the manifest's (as INPUT.MIN_SIZE_TEST/MAX_SIZE_TEST
-        would: the graph takes any size)."""
-        self.manifest = manifest
-        self.family = families.get(manifest.family)
-        pre, post = manifest.preprocess, manifest.postprocess
-        self.input_format = pre.get("input_format", "BGR")
-        if self.input_format not in PIXEL_FORMATS:
-            raise ValueError(f"model pixel format {self.input_format!r} is not supported ({PIXEL_FORMATS})")
-        self.min_size = int(pre.get("min_size_test", 0) if min_size is None else min_size)
-        self.max_size = int(pre.get("max_size_test", 0) if max_size is None else max_size)
-        self.score_threshold = float(post.get("score_threshold", 0.0) if score_threshold is None else score_threshold)
-        self.post = dict(post)
-        self.input_dtypes = {t.name: np.dtype(t.dtype) for t in manifest.inputs}
-        self.output_names = [t.name for t in manifest.outputs]
-        # a graph whose batch axis is a number (detectron2's own detectors: 1) takes at most that many pictures a run
-        fixed = [t.shape[0] for t in manifest.inputs if t.shape and isinstance(t.shape[0], int)]
-        self.max_batch = min(fixed) if fixed else None
-        # a fixed-size graph (export.dynamic=false) takes pictures of its size only: resized to fit it (the longer
-        # side at most its shorter one) and zero-padded to it, its batch filled with blank pictures
-        images = next((t for t in manifest.inputs if t.name == "images"), None)
-        shape = list(images.shape) if images and images.shape else []
-        self.fixed = tuple(shape[:1] + shape[2:4]) if len(shape) == 4 and all(
-            isinstance(d, int) for d in shape[:1] + shape[2:4]) else None
-        # where torch.export narrowed the graph to a least size and it answered differently below (the export's lint)
-        self.min_input_size = tuple(int(v) for v in pre.get("min_input_size", (0, 0)))
-        # where the model's own code runs only at multiples of a size (found at export): each batch padded up to them
-        self.size_divisibility = int(pre.get("size_divisibility", 0))
-        if self.fixed:
-            side = min(self.fixed[1:])
-            self.min_size, self.max_size = min(self.min_size or side, side), min(self.max_size or side, side)
-
-    # pre-processing ------------------------------------------------------------------------------------------------
-    def prepare(self, image: np.ndarray, format: str = "RGB") -> Prepared:
-        """HWC uint8 (or HW grey) in `format` → the graph's input for it."""
-        image = np.asarray(image)
-        if image.ndim == 2:
-            image = np.repeat(image[:, :, None], 3, axis=2)
-        if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-            raise ValueError(f"expected an HxWx3 uint8 picture, got {image.dtype} {image.shape}")
-        if image.shape[0] == 0 or image.shape[1] == 0:
-            raise ValueError(f"picture has zero size {image.shape[:2]}")
-        if format not in PIXEL_FORMATS:
-            raise ValueError(f"format {format!r}: choose one of {PIXEL_FORMATS}")
-        if format != self.input_format:
-            image = image[:, :, ::-1]
-        h, w = image.shape[:2]
-        if min(resized_shape(h, w, self.min_size, self.max_size)) < 1:
-            raise UnusableImage(f"picture is {w}x{h}: its aspect ratio is too extreme to resize to "
-                                f"{self.min_size}..{self.max_size} px (a side would be 0 px)")
-        resized = resize_shortest_edge(np.ascontiguousarray(image), self.min_size, self.max_size)
-        return Prepared(np.ascontiguousarray(resized.transpose(2, 0, 1)), image.shape[0], image.shape[1])
-
-    def feeds(self, prepared: Sequence[Prepared]) -> dict[str, np.ndarray]:
-        """Pictures → the graph's inputs for one batch, zero-padded to a common size, in the graph's dtypes."""
-        if self.max_batch and len(prepared) > self.max_batch:
-            raise ValueError(f"this graph takes at most {self.max_batch} picture(s) per run (its input batch is fixed; "
-                             "predict_batch splits larger batches)")
-        images, sizes = pad_batch([p.chw for p in prepared], self.fixed, self.min_input_size, self.size_divisibility)
-        feeds = {"images": images, "image_sizes": sizes}
-        return {name: feeds[name].astype(dtype, copy=False) for name, dtype in self.input_dtypes.items()}
-
-    # post-processing -----------------------------------------------------------------------------------------------
-    def postprocess(self, outputs: dict[str, np.ndarray], index: int, prepared: Prepared,
-                    score_threshold: float | None = None) -> Prediction:
-        """Row `index` of a batch's outputs → the picture's instances, by the model's family: thresholded (≥),
-        coordinates back in the original picture's pixels."""
-        return self.prediction(outputs, index, prepared.chw.shape[1:], (prepared.height, prepared.width),
-                               score_threshold)
-
-    def prediction(self, outputs: dict[str, np.ndarray], index: int, input_hw: Sequence[int],
-                   original_hw: Sequence[int], score_threshold: float | None = None) -> Prediction:
-        """As `postprocess`, given the picture's size in the graph (resized, unpadded) and its original size."""
-        threshold = self.score_threshold if score_threshold is None else score_threshold
-        height, width = map(int, original_hw)
-        return self.family.prediction(outputs, index, tuple(map(int, input_hw)), (height, width), self.post,
-                                      threshold)
 
 
 class Predictor(Processing):
@@ -348,71 +163,3 @@ class Predictor(Processing):
                 "preprocess": m.preprocess | {"min_size_test": self.min_size, "max_size_test": self.max_size},
                 "postprocess": m.postprocess | {"score_threshold": self.score_threshold},
                 "versions": m.versions}
-
-
-def load_manifest(model_path: Path, verify_hash: bool = True, embedded: bool = False) -> Manifest:
-    """The manifest beside `model_path`, checked to describe that very file (by sha256 unless told not to); with
-    `embedded`, a model without one beside it answers with the copy inside it."""
-    if not model_path.is_file():
-        raise ModelLoadError(f"model file not found: {model_path}")
-    path = manifest_path(model_path)
-    if embedded and not path.exists():
-        return Manifest.from_model(model_path)
-    if not path.is_file():
-        raise ModelLoadError(f"{model_path} has no manifest beside it ({path.name} not found; an export into that "
-                             "folder may have been interrupted: rerun it)")
-    try:
-        manifest = Manifest.read(path)
-    except (ValueError, TypeError, KeyError) as e:  # bad JSON, missing or unknown fields
-        raise ModelLoadError(f"{path}: not a readable d2export manifest ({type(e).__name__}: {e})") from None
-    if verify_hash:
-        actual = sha256_file(model_path)
-        if manifest.sha256 != actual:
-            raise ModelLoadError(f"{model_path} is not the model {path.name} describes: sha256 {actual[:16]}… vs "
-                                 f"{(manifest.sha256 or 'none')[:16]}… recorded (pass --no-verify-hash to skip)")
-    return manifest
-
-
-def check_schema(model_path: Path, manifest: Manifest, session) -> None:
-    """The graph's inputs and outputs must be the manifest's: names, element types and ranks."""
-    def ours(specs):
-        return [(t.name, f"tensor({ORT_TYPE_NAMES.get(t.dtype, t.dtype)})", len(t.shape)) for t in specs]
-
-    def theirs(args):
-        return [(a.name, a.type, len(a.shape)) for a in args]
-
-    for kind, want, got in (("inputs", ours(manifest.inputs), theirs(session.get_inputs())),
-                            ("outputs", ours(manifest.outputs), theirs(session.get_outputs()))):
-        if want != got:
-            diff = next((w, g) for w, g in zip(want + [None] * len(got), got + [None] * len(want)) if w != g)
-            raise ModelLoadError(f"{model_path}: graph {kind} differ from {manifest_path(model_path).name} "
-                                 f"(manifest {diff[0]}, graph {diff[1]})")
-
-
-def add_predictor_arguments(ap) -> None:
-    """The command-line options every serving command shares (argparse)."""
-    ap.add_argument("model", help="the exported .onnx (its manifest lies beside it)")
-    ap.add_argument("--providers", default="cpu", help="comma-separated: cpu, cuda, tensorrt (in priority order)")
-    ap.add_argument("--tf32", action="store_true",
-                    help="cuda: let onnxruntime compute in TF32 (faster on Ampere and later, but not what the export "
-                         "verified: near-tied detections may change)")
-    ap.add_argument("--cuda-graph", action="store_true",
-                    help="cuda: replay CUDA graphs (one per batch and size) where onnxruntime accepts the graph "
-                         "(a fixed-size export: export.dynamic=false); otherwise serves without, saying why")
-    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: one per core)")
-    ap.add_argument("--score-threshold", type=float, default=None, help="lowest score kept (default: the manifest's)")
-    ap.add_argument("--min-size", type=int, default=None, help="shortest edge to resize to (default: the manifest's)")
-    ap.add_argument("--max-size", type=int, default=None, help="longest edge cap (default: the manifest's)")
-    ap.add_argument("--no-verify-hash", action="store_true",
-                    help="skip checking the model's sha256 against its manifest (huge files); inputs and outputs "
-                         "are still checked")
-    ap.add_argument("--embedded-manifest", action="store_true",
-                    help="serve a model.onnx that has no manifest beside it from the copy inside it (without this, "
-                         "a lone model is refused as what an interrupted export leaves)")
-
-
-def predictor_from_args(args) -> Predictor:
-    return Predictor(args.model, args.providers.split(","), args.threads, args.score_threshold,
-                     min_size=args.min_size, max_size=args.max_size, verify_hash=not args.no_verify_hash,
-                     embedded_manifest=args.embedded_manifest, tf32=args.tf32,
-                     cuda_graph=getattr(args, "cuda_graph", False))

@@ -35,10 +35,13 @@ from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from d2export.argparsing import parser
+from d2export.instances import Prediction
 from d2export.runtime.image_decoding import MAX_PIXELS, BadImage, ImageTooLarge, decode_image
 from d2export.runtime.maps import prediction_json
-from d2export.runtime.predictor import (Prediction, Predictor, Prepared, ProviderUnavailable, equal_size_groups,
-                                        add_predictor_arguments, predictor_from_args)
+from d2export.runtime.predictor import Predictor
+from d2export.runtime.processing import Prepared, equal_size_groups
+from d2export.runtime.providers import ProviderUnavailable
+from d2export.runtime.serving_arguments import add_predictor_arguments, predictor_from_args
 
 MAX_BYTES = 32 << 20
 MAX_QUEUE = 64

@@ -21,7 +21,7 @@ import numpy as np
 from d2export.manifest import Manifest
 from d2export.runtime.image_decoding import BadImage, decode_image
 from d2export.runtime.maps import prediction_json
-from d2export.runtime.predictor import Processing
+from d2export.runtime.processing import Processing
 
 STAGE = "d2export_stage"  # the config parameter naming the stage: "pre" or "post"
 MANIFEST = "model.manifest.json"

@@ -1,7 +1,7 @@
 """A picture of a prediction: masks (translucent), outlines (polygons, boxes, boundaries, centre lines), keypoints and
-labels, on the original picture. Generic over `Instance` fields, so every family draws without code of its own. A
-segmentation model's panoptic segments (else its semantic classes) are translucent regions, each labelled once with
-its class inside it.
+labels, on the original picture. Generic over `Instance` fields, so every family draws without code of its own. The
+regions a served kind declares (d2export/served_kinds/: a segmentation model's panoptic segments, else its semantic
+classes) are translucent, each labelled once with its class inside it.
 
 Labels stay inside the picture and are placed, where there is room, where they overlap no other label. The font is
 the first found of `D2EXPORT_FONT`, a CJK-capable system font, DejaVu Sans (the `fonts-dejavu-core` package, or
@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from d2export.instances import Instance, Prediction, decode_mask
+from d2export.served_kinds import kinds
 
 FONT_CANDIDATES = (  # a CJK font first (custom dictionaries), then DejaVu Sans
     "/usr/share/fonts/opentype/noto/NotoSansCJK-Regular.ttc", "/usr/share/fonts/truetype/wqy/wqy-microhei.ttc",
@@ -65,18 +66,18 @@ def _overlay_masks(image: np.ndarray, instances: list[Instance], alpha: float = 
 
 
 def _regions(prediction: Prediction, class_names: Sequence[str] | None) -> list[tuple[np.ndarray, tuple, str]]:
-    """(mask, colour, label) of each panoptic segment, or where there is no panoptic map each semantic class: a
-    segment coloured by its id (things of one class apart), a class by its id (the same colour in every picture)."""
+    """(mask, colour, label) of each region of the first served kind, by `regions_rank`, that the prediction holds
+    (each panoptic segment, or where there is no panoptic map each semantic class), coloured by the key its kind
+    gives (a segment's id: things of one class apart; a class's id: the same colour in every picture)."""
     names = list(class_names or [])
 
     def name(label: int) -> str:
         return names[label] if 0 <= label < len(names) else str(label)
 
-    if prediction.panoptic is not None:
-        return [(prediction.panoptic == s.id, _colour(s.id), s.class_name or name(s.category_id))
-                for s in prediction.segments or []]
-    if prediction.semantic is not None:
-        return [(prediction.semantic == c, _colour(int(c)), name(int(c))) for c in np.unique(prediction.semantic)]
+    for kind in sorted((k for k in kinds("picture") if k.regions is not None), key=lambda k: k.regions_rank):
+        found = kind.regions(prediction, name)
+        if found is not None:
+            return [(mask, _colour(key), label) for mask, key, label in found]
     return []
 
 

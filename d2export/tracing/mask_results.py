@@ -2,10 +2,11 @@
 batch and each task's per-pixel work done where the graph runs (a CUDA session keeps them on the GPU), from the
 head's `pred_logits` and `pred_masks`, at any size and batch. Results are a picture's as the model's own inference
 functions give them at the picture's size in the graph (its top-left corner of the padded batch); serving
-(d2export/families/_masks.py `graph_prediction`) crops them, walks the panoptic segments, encodes the instance masks
-and maps them to the original picture.
+(d2export/families/_mask_predictions.py `graph_prediction`) crops them, walks the panoptic segments, encodes the
+instance masks and maps them to the original picture.
 
-Outputs, by the config's tasks (`post`: the manifest's postprocess section, as d2export/families/_masks.py reads it):
+Outputs, by the config's tasks (`post`: the manifest's postprocess section, as d2export/families/_mask_predictions.py
+reads it):
 - semantic: `sem_seg` [N, Hp, Wp] int64, semantic_inference's argmax;
 - panoptic: `panoptic_query` [N, Hp, Wp] int64, the kept query whose score × probability is highest where its own
   mask covers the pixel (probability >= 0.5), else -1; `query_keep` [N, Q] bool, `query_labels` [N, Q] int64 and
@@ -38,7 +39,7 @@ def _sigmoid(post: dict[str, Any]) -> bool:
 
 
 # The rules, one function each (tests alter one at a time and show that verification refuses it:
-# tests/test_mask_rules_upstream.py); each as families/_masks.py's `Rules` writes it in numpy.
+# tests/test_mask_rules_upstream.py); each as families/_mask_rules.py's `Rules` writes it in numpy.
 def semantic_classes(pred_logits: Tensor, post: dict[str, Any]) -> Tensor:
     """[N, Q, K] weights of the mask probabilities per class: softmax without "no object" (MaskDINO: its sigmoids)."""
     if _sigmoid(post) and not post["semantic_ce_loss"]:

@@ -9,10 +9,10 @@ with the head's outputs captured as the model hands them to its post-processing.
 
 With `export.postprocess=graph` the graph also holds each task's results (d2export/tracing/mask_results.py): their
 reference outputs are that same work on the head's captured outputs (what the graph is compared with, tensor by
-tensor, its near-ties pinned), and what serving makes of them (d2export/families/_masks.py `graph_prediction`) is
-held to what the model's own `semantic_inference`, `panoptic_inference` and `instance_inference` returned inside
-that forward (`own_results`; d2export/verification/served_masks.py): a wrong rule in the traced code refuses the export
-instead of passing as its own reference.
+tensor, its near-ties pinned), and what serving makes of them (d2export/families/_mask_predictions.py
+`graph_prediction`) is held to what the model's own `semantic_inference`, `panoptic_inference` and
+`instance_inference` returned inside that forward (`own_results`; d2export/verification/served_masks.py): a wrong
+rule in the traced code refuses the export instead of passing as its own reference.
 """
 from __future__ import annotations
 

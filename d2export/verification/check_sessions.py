@@ -19,11 +19,11 @@ def session_options(path: Path):
 
 def session(path: Path, providers, precision: str = "float32"):
     """An onnxruntime session for checking the staged graph, with the custom operators it uses registered and what a
-    served model of `precision` gets by default on each provider (runtime/predictor.py: on CUDA, TF32 off for float32
+    served model of `precision` gets by default on each provider (runtime/providers.py: on CUDA, TF32 off for float32
     graphs, MatMul+Add left unfused)."""
     import onnxruntime as ort
 
-    from d2export.runtime.predictor import resolve_providers, serving_settings
+    from d2export.runtime.providers import resolve_providers, serving_settings
 
     providers, options = resolve_providers(providers), session_options(path)
     per_provider = serving_settings(options, providers, precision)
@@ -34,7 +34,7 @@ def ran_on(session, path: Path) -> dict:
     """The providers a verification really ran on, with their options and the graph transformers left out, and for a
     fused graph the kernel that computed its operator ("native", "numba" or "cuda"): what a server must use to serve
     the same."""
-    from d2export.runtime.predictor import disabled_optimizers
+    from d2export.runtime.providers import disabled_optimizers
 
     ran = {"providers": session.get_providers(), "provider_options": session.get_provider_options(),
            "disabled_optimizers": disabled_optimizers(session)}

@@ -13,12 +13,16 @@ module called several times (a shared head) is compared call by call.
 Rows are ordered by when the eager call finished (a child before its parent), so the first row past tolerance is
 the innermost, earliest module that diverged. A graph onnxruntime cannot run at some size (a shape baked in that
 breaks a broadcast) is reported with the module that owns the failing node.
+
+`ladder` runs it for a prepared model (the pipeline's Built) at its verification sizes and float32 tolerances;
+`_ladder_summary` runs and logs it as verification's diagnosis of a failure.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import logging
 import re
 import tempfile
 from collections import Counter
@@ -30,10 +34,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from d2export import progress
 from d2export.verification import near_ties, pinning, check_sessions
-from d2export.exporting.onnx_export import export_onnx
+from d2export.exporting.onnx_export import export_onnx, export_scope, traced_sizes
+from d2export.verification.cases import verification_sizes
 from d2export.verification.comparison import difference
-from d2export.tracing import graph_inputs, torch_inputs
+from d2export.verification.tolerances import float32_tolerances
+from d2export.tracing import dummy_images, graph_inputs, torch_inputs
+
+log = logging.getLogger("d2export")
 
 Key = tuple  # (module path, call index, where the tensor sits in the call's output: "", "[1]", "['pred_logits']")
 ROOT = "(outputs)"  # how the adapter itself is named in the table
@@ -413,3 +422,32 @@ def _run_case(name, adapter, paths, graph_session, names, keys, images, report, 
 def no_scope():
     """For `run_ladder(scope=...)` when the export needs no patches."""
     yield
+
+
+# -------------------------------------------------------------------------------------------- for a prepared model
+def ladder(built, sizes: Sequence[Sequence[int]] | None = None):
+    """The parity ladder (docs/ladder.md) for a prepared model (the pipeline's Built): its export settings and
+    scope, the export's dummy input first, then one image per size (the verification sizes by default). Call it with
+    no export scope open: it opens its own around a throwaway export."""
+    cfg, tol = built.cfg, float32_tolerances(built.cfg)
+    sizes = [tuple(s) for s in (sizes or verification_sizes(cfg, getattr(built, "size_divisibility", 0)))]
+    cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
+    return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
+                      dummy_images(traced_sizes(cfg, built.adapter.batchable), cfg.model.seed), cases,
+                      atol=max(tol.atol, tol.pixel_atol),  # inner tensors have no kind: the loosest
+                      rtol=tol.rtol, max_mismatch=tol.max_mismatch, providers=cfg.verify.providers,
+                      output_tolerances=tol.per_output(built.adapter.output_names, built.family.output_kinds))
+
+
+def _ladder_summary(built) -> dict:
+    """The parity ladder run and logged: its report, as the manifest keeps it. A diagnosis: where it crashes, that is
+    an error in the report (logged as one, `error` in the summary, a line in a refusal), and the verification's own
+    verdict stands beside it (the crash must not stand in for a refusal's figures, nor read as a clean ladder)."""
+    try:
+        with progress.busy("parity ladder"):
+            report = ladder(built)
+    except Exception as e:  # noqa: BLE001
+        log.error("parity ladder: crashed, no module compared (%s: %s)", type(e).__name__, e)
+        return {"diverged": None, "culprit": None, "cases": [], "error": f"{type(e).__name__}: {e}"}
+    log.log(logging.WARNING if report.culprit() else logging.INFO, "parity ladder:\n%s", report.format())
+    return report.to_dict()

@@ -1,6 +1,6 @@
 """What a segmenter serves, held to the model's own inference: per verification case, the results serving makes of
 the eager reference's outputs (the family's `prediction`, as the runtime calls it with the manifest's postprocess
-section: families/_masks.py `mask_prediction` on the head's `pred_logits` and `pred_masks` by default,
+section: families/_mask_predictions.py `mask_prediction` on the head's `pred_logits` and `pred_masks` by default,
 `graph_prediction` on the in-graph results with `export.postprocess=graph`) against what the model's own
 `semantic_inference`, `panoptic_inference` and `instance_inference` returned inside the same forward (the adapter's
 `own_results`). The graph is compared with the reference tensor by tensor; this check is what keeps d2export's

@@ -71,7 +71,7 @@ def check(built, model_path: Path, manifest, pictures) -> dict:
 
     from d2export.charset import decode
     from d2export.verification import check_sessions
-    from d2export.runtime.predictor import Prepared, Processing
+    from d2export.runtime.processing import Prepared, Processing
 
     post = manifest.postprocess
     if built.family.evaluator != "text":

@@ -1,0 +1,196 @@
+"""Mask post-processing's per-pixel passes, numpy only: the upsampled masks made a band of rows at a time, each task's
+pass over a band (panoptic's competition, instance masks and their sums, the semantic argmax) and the threads the bands
+run on, so a band is made, used and dropped in cache and no [Q, H, W] stack is ever whole."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from d2export.families._mask_resize import Taps, _along, _taps, _then
+from d2export.families._mask_rules import sigmoid
+
+_BAND = 1 << 19  # float32 elements of mask probabilities per band of rows: a band is made, used and dropped in cache
+# Class probabilities below float32's normal range (a softmax over logits 87+ apart: seeded weights make thousands)
+# cost 40-80x a multiply on Intel cores (microcode assists; on AMD's barely more): the semantic product of 640² took
+# 7.7 s instead of 0.1. Lifted by 2^LIFT, both factors are normal; products and sums round exactly as the unlifted
+# ones wherever those are normal (a power of two commutes with rounding) and better where those underflow (scores
+# under 1e-38, whose order the 1e-4 tie rule already leaves to noise); the argmax is the same. (The graph's product,
+# export.postprocess=graph, stays unlifted: verification pins its ArgMax by absolute gaps; GPUs take subnormals.)
+# A product by 2^LIFT is the lift: exact for every float32 up to 1, and a tenth of np.ldexp's time (a libm call per
+# element; 13 ms of a 2.6 M-element band on an AMD EPYC, more than the band's product).
+LIFT = 48
+_LIFTED = np.float32(2.0 ** LIFT)
+
+
+def _first_max(values) -> np.ndarray:
+    """argmax over a sequence of equal-shaped arrays (the first on ties, as torch's argmax), as int32: a running
+    maximum, 3x faster than ndarray.argmax(0) (which copies to make axis 0 the last) and never the stack in memory."""
+    values = iter(values)
+    best = np.array(next(values), np.float32)
+    index = np.zeros(best.shape, np.int32)
+    for i, v in enumerate(values, 1):
+        better = v > best
+        index[better] = i
+        np.maximum(best, v, out=best)
+    return index
+
+
+class Upsampled:
+    """A picture's mask logits [Q, H, W] as F.interpolate (bilinear, align_corners=False) makes them from the graph's
+    [Q, h, w], made a band of rows at a time: the columns resized once, each band's rows from the few input rows it
+    reads. `after`: (rows, cols) taps resizing the mask probabilities once more (semantic postprocessing after
+    inference: the picture's corner of the padded size to the original), so `probs` bands are of that size."""
+
+    def __init__(self, masks: np.ndarray, rows: Taps | None, cols: Taps | None,
+                 after: tuple[Taps | None, Taps | None] = (None, None)):
+        masks = np.asarray(masks, np.float32)
+        if cols is None:
+            self.columns = masks  # [Q, h, W]
+        else:
+            self.columns = np.empty((*masks.shape[:-1], len(cols[0])), np.float32)
+            parts = np.array_split(np.arange(len(masks)), min(len(masks), 8))
+            _each(lambda q: _along(masks[q[0] : q[-1] + 1], cols, -1, self.columns[q[0] : q[-1] + 1]), parts)
+        self.rows, self.after = rows, after
+        q, h, w = self.columns.shape
+        self.logits_hw = (h if rows is None else len(rows[0]), w)
+        arows, acols = after
+        self.shape = (q, self.logits_hw[0] if arows is None else len(arows[0]),
+                      w if acols is None else len(acols[0]))
+
+    def logits(self, start: int, stop: int) -> np.ndarray:
+        return _band(self.columns, self.rows, start, stop)
+
+    def probs(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows [start, stop) of the probabilities, and of the logits where they are the same size (no `after`)."""
+        rows, cols = self.after
+        if rows is None and cols is None:
+            logits = self.logits(start, stop)
+            return sigmoid(logits), logits
+        first, last = (start, stop) if rows is None else _reads(rows, start, stop)
+        probs = _along(sigmoid(self.logits(first, last)), cols, -1)
+        return _band(probs, rows, start, stop, first), None
+
+    def whole(self) -> np.ndarray:
+        return self.logits(0, self.logits_hw[0])
+
+    def bands(self) -> list[tuple[int, int]]:
+        q, h, w = self.shape
+        step = max(1, _BAND // (q * w))
+        return [(s, min(s + step, h)) for s in range(0, h, step)]
+
+
+def _reads(rows: Taps, start: int, stop: int) -> tuple[int, int]:
+    """The input rows [first, last) that output rows [start, stop) read."""
+    index = rows[0][start:stop]
+    return int(index.min()), int(index.max()) + 1
+
+
+def _band(x: np.ndarray, rows: Taps | None, start: int, stop: int, offset: int | None = None) -> np.ndarray:
+    """Output rows [start, stop) of resizing x [Q, h, W] along its rows; `offset`: x holds input rows from there on
+    (the rows the band reads, see _reads), else all of them."""
+    if rows is None:
+        return x[:, start:stop] if offset is None else x
+    index, weight = (t[start:stop] for t in rows)
+    first = int(index.min()) if offset is None else offset
+    part = x[:, first : int(index.max()) + 1] if offset is None else x
+    return _along(part, (index - first, weight), -2)
+
+
+def _masks_at(masks: np.ndarray, padded_hw: tuple[int, int], crop_hw: tuple[int, int] | None = None,
+              out_hw: tuple[int, int] | None = None) -> np.ndarray:
+    """Mask logits upsampled to the padded size, or (given `crop_hw` and `out_hw`) that cropped to `crop_hw` and
+    resized to `out_hw` (sem_seg_postprocess) in one pass: the padded-size masks are never made."""
+    (ph, pw), (mh, mw) = padded_hw, masks.shape[-2:]
+    if crop_hw is None:
+        return Upsampled(masks, _taps(mh, ph), _taps(mw, pw)).whole()
+    (ch, cw), (oh, ow) = crop_hw, out_hw
+    return Upsampled(masks, _then(mh, ph, ch, oh), _then(mw, pw, cw, ow)).whole()
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_blas: ThreadpoolController | None = None
+
+
+def _one_blas_thread():
+    """A scope in which BLAS runs on one thread (threadpoolctl; the loaded libraries are looked up once)."""
+    global _blas
+    _blas = _blas or ThreadpoolController()
+    return _blas.limit(limits=1, user_api="blas")
+
+
+def _each(fn: Callable, items: list) -> list:
+    """fn over items on a thread per core (numpy lets go of the GIL in its array loops); a pool per process, as one
+    made before a fork does not run in the child."""
+    global _pool
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = os.getpid(), ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="d2export-masks")
+    return list(_pool[1].map(fn, items))
+
+
+class _Competition:
+    """Panoptic's per-pixel competition of the kept queries (`keep`, scored `scores`), a band at a time: the winner
+    (first of the highest score × probability, as torch's argmax) and whether its own mask covers the pixel; per kept
+    query its pixels won, its mask's pixels (probability >= 0.5) and the pixels it won and covers."""
+
+    def __init__(self, keep: np.ndarray, scores: np.ndarray, hw: tuple[int, int]):
+        self.keep, self.scores = keep, scores
+        self.winner, self.inside = np.zeros(hw, np.int32), np.zeros(hw, bool)
+
+    def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        masks = probs[self.keep]
+        winner = self.winner[start:stop] = _first_max(score * mask for score, mask in zip(self.scores, masks))
+        inside = self.inside[start:stop] = np.take_along_axis(masks, winner[None], 0)[0] >= 0.5
+        k = len(self.keep)
+        return np.stack([np.bincount(winner.ravel(), minlength=k),
+                         np.count_nonzero((masks >= 0.5).reshape(k, -1), axis=1),
+                         np.bincount(winner[inside], minlength=k)])
+
+
+class _MaskScores:
+    """Instance masks (logit > 0) of the picked queries and the sums of their mean probability over them, a band at a
+    time. `alone`: the field holds the picked queries only (in `queries`' order), not every query."""
+
+    def __init__(self, queries: np.ndarray, hw: tuple[int, int], alone: bool = False):
+        self.queries = queries
+        self.rows = slice(None) if alone else queries  # the picked queries' rows in the field
+        self.positive = np.zeros((len(queries), *hw), bool)
+
+    def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray) -> np.ndarray:
+        n = len(self.queries)
+        positive = self.positive[:, start:stop] = logits[self.rows] > 0
+        inside = probs[self.rows].reshape(n, -1)
+        inside *= positive.reshape(n, -1)
+        return np.stack([inside.sum(1).astype(np.float64), np.count_nonzero(positive.reshape(n, -1), axis=1)])
+
+
+class _SemanticMap:
+    """semantic_inference's argmax (the first highest class, as torch's), a band at a time."""
+
+    def __init__(self, classes: np.ndarray, hw: tuple[int, int]):
+        self.classes = np.asarray(classes, np.float32) * _LIFTED  # [Q, K]: Rules.semantic
+        self.map = np.zeros(hw, np.int32)
+
+    def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray | None) -> None:
+        q, rows, w = probs.shape
+        lifted = probs.reshape(q, -1) * _LIFTED
+        scores = lifted.T @ self.classes  # [pixels, K]: the argmax along contiguous memory
+        self.map[start:stop] = scores.argmax(-1).reshape(rows, w)
+
+
+def _per_pixel(field: Upsampled, *passes) -> list:
+    """Runs each pass over every band of `field` (threads over bands); per pass, what its bands return summed (None
+    for passes returning nothing). Bands depend on sizes only: results are the same on any number of cores."""
+    def run(band):
+        start, stop = band
+        probs, logits = field.probs(start, stop)
+        return [p.band(start, stop, probs, logits) for p in passes]
+
+    with _one_blas_thread():  # each thread's BLAS on one core: two threads' products would fight for the cores
+        parts = _each(run, field.bands())
+    return [None if parts[0][i] is None else sum(part[i] for part in parts) for i in range(len(passes))]

@@ -1,0 +1,116 @@
+"""A verified float32 graph converted to float16 or quantised to int8 in place, and verified against eager float32
+with that precision's own tolerances (top-K agreement, confident detections)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from d2export import progress
+from d2export.verification import check_sessions, comparison, pinning
+from d2export.verification.failed_cases import _pin_selections
+from d2export.verification.pictures import picture_files
+from d2export.verification.subject import Subject
+from d2export.verification.tolerances import _reduced_settings, reduced_tolerances
+from d2export.manifest import Manifest, graph_specs
+
+log = logging.getLogger("d2export")
+
+
+def convert_to_float16(subject: Subject) -> dict:
+    """The verified float32 graph → float16 in place, verified on the same cases with float16's own tolerances."""
+    import onnx
+
+    from d2export.exporting.fp16 import to_float16
+
+    keep_io_types = subject.built.cfg.export.keep_io_types
+    progress.step(5, "converting to float16", f"keep_io_types={keep_io_types}")
+    onnx.save(to_float16(onnx.load(str(subject.path)), keep_io_types=keep_io_types,
+                         fused=subject.built.cfg.export.fp16_fused), str(subject.path))
+    return _verify_reduced(subject, "float16") if subject.cases else {"passed": None}
+
+
+def quantise_to_int8(subject: Subject) -> dict:
+    """The verified float32 graph → int8 in place (exporting/int8.py), verified with int8's own tolerances."""
+    from d2export.cpu import cpu_features
+    from d2export.exporting import int8
+
+    built, path, e = subject.built, subject.path, subject.built.cfg.export
+    pictures = None
+    if e.int8 == "static":
+        files = picture_files(e.calibration, e.calibration_count)
+        pictures = int8.Pictures(files, _picture_feeds(built, path))
+    how = (f"calibrating on {len(pictures)} pictures ({e.calibration_method})" if pictures
+           else "weights int8, activations quantised per run")
+    progress.step(5, f"quantising to int8 ({e.int8})", how)
+    quantized = path.with_name(f".{path.name}.int8")
+    try:
+        with progress.busy("quantising"):
+            record = int8.quantize(path, quantized, e.int8, built.family.int8_float_scopes, cpu_features(),
+                                   pictures, e.calibration_method, built.family.int8_static_ops)
+        quantized.replace(path)
+    finally:
+        quantized.unlink(missing_ok=True)
+    log.info("int8: %d node(s) quantised, %d kept float (%s); %s", record.quantized, len(record.kept_float),
+             ", ".join(built.family.int8_float_scopes) or "none", record.why_reduce_range)
+    summary = _verify_reduced(subject, "int8") if subject.cases else {"passed": None}
+    return summary | {"quantization": record.to_dict()}
+
+
+def _picture_feeds(built, path: Path):
+    """A picture (HWC RGB uint8) → the graph's inputs, as the runtime predictor makes them."""
+    import onnx
+
+    from d2export.runtime.processing import Processing
+
+    e = built.cfg.export
+    graph = onnx.load(str(path), load_external_data=False).graph
+    preprocess = built.family.preprocess(built.d2cfg)
+    if getattr(built, "size_divisibility", 0):  # the model runs only at its multiples: padded as when served
+        preprocess["size_divisibility"] = built.size_divisibility
+    processing = Processing(Manifest(model_file=path.name, family=built.family.name, inputs=graph_specs(graph.input),
+                                     outputs=graph_specs(graph.output), opset=e.opset or 0, exporter=e.exporter,
+                                     preprocess=preprocess))
+    return lambda picture: processing.feeds([processing.prepare(picture, "RGB")])
+
+
+def _verify_reduced(subject: Subject, precision: str) -> dict:
+    """The reduced-precision graph's verification summary against eager float32: each output by its kind, the top-K
+    detections the same, near-tied selections pinned where float noise explains them; or VerificationError."""
+    cfg, path, cases, names = subject.built.cfg, subject.path, subject.cases, subject.output_names
+    tol, kinds = reduced_tolerances(cfg, precision), subject.built.family.output_kinds
+    session = check_sessions.session(path, cfg.verify.providers, precision)
+    copy = check_sessions.selecting_copy(path)  # opened only if a case fails
+    summary = comparison.run_reduced_precision(session, names, cases, tol, kinds)
+    if not summary["passed"]:
+        results = [comparison.Comparison(**c) for c in summary["cases"]]
+        agreements = dict(summary["case_agreement"])
+        weak = {c for c, a in agreements.items() if a < tol.min_agreement}
+
+        def judge(case, expected, actual):
+            compared, agreements[case] = comparison.compare_reduced_case(case, expected, actual, tol, kinds)
+            return compared, all(c.ok for c in compared) and agreements[case] >= tol.min_agreement
+
+        failed = weak | {r.case for r in results if not r.ok}
+        pinned = _pin_selections(subject, copy, failed, judge,
+                                 pinning.Tolerances(tol.atol, tol.rtol, tol.atol, tol.max_mismatch))
+        if pinned:
+            summary = comparison.reduced_summary(pinning.with_pinned(results, pinned), agreements, tol)
+            summary["pinned"] = [p.to_dict() for p in pinned]
+    summary |= check_sessions.ran_on(session, path)
+    at_cut = sum(c.get("at_cut", 0) for c in summary["cases"] if c["output"] == "scores")
+    log.info("%s verification (top-%d agreement %.2f; %d detection(s) came and went at the lists' cut):\n%s",
+             tol.precision, tol.top_k, summary["top_k_agreement"], at_cut,
+             comparison.format_table([comparison.Comparison(**c) for c in summary["cases"]]))
+    if not summary["passed"]:
+        failed = [comparison.Comparison(**c) for c in summary["cases"] if not c["ok"]]
+        why = [f"{len(failed)} output(s) past their kind's tolerance ({_reduced_settings(cfg, precision)}; ids "
+               f"equal) in a detection scoring {tol.confident} or more (verify.confident), or on more than "
+               f"{tol.max_mismatch:g} of the rest"] if failed else []
+        if summary["top_k_agreement"] < tol.min_agreement:
+            why.append(f"top-{tol.top_k} agreement {summary['top_k_agreement']:.2f} < verify.min_top_k_agreement="
+                       f"{tol.min_agreement}")
+        raise comparison.VerificationError(
+            f"the {tol.precision} graph disagrees with eager PyTorch: {'; '.join(why)}\n"
+            f"{comparison.format_table(failed)}{pinning.unpinned_lines(summary)}"
+            f"{check_sessions.near_ties_lines(copy, cases, failed, tol.precision)}")
+    return summary
