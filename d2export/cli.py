@@ -44,7 +44,7 @@ def run_export(cfg: Any) -> dict:
 
     manifest = pipeline.export(typed)
     v = manifest.verification
-    return {"exporter": typed.export.exporter, "opset": typed.export.opset, "sampler": typed.export.sampler,
+    return {"exporter": manifest.exporter, "opset": typed.export.opset, "sampler": typed.export.sampler,
             "seconds": manifest.export_seconds, "verified": v.get("passed"), "max_abs": v.get("max_abs"),
             "model": str(Path(typed.export.output_dir) / manifest.model_file)}
 

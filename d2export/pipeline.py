@@ -28,7 +28,7 @@ from d2export.charset import CharsetError
 from d2export.config import D2ExportConfig, check_files
 from d2export.verification import served_text, float32, reduced_precision
 from d2export.exporting.lint import lint_export
-from d2export.exporting.onnx_export import ExportError, export_onnx, export_scope, traced_sizes
+from d2export.exporting.onnx_export import ExportError, export_onnx, export_scope, routes, traced_sizes
 # ladder and reduced_tolerances live in verification/; d2export.pipeline keeps them for its callers (docs/ladder.md)
 from d2export.verification.cases import verification_cases, verification_sizes
 from d2export.verification.ladder import ladder  # noqa: F401
@@ -149,7 +149,11 @@ def remove_orphans(final: Path) -> list[Path]:
 
 
 def export(cfg: D2ExportConfig, root: Path | None = None, built: Built | None = None) -> Manifest:
-    """The whole flow; `built` reuses a prepared model (its config must be `cfg`)."""
+    """The whole flow; `built` reuses a prepared model (prepared from this very config). The config is read, never
+    written: the route `export.exporter=auto` chooses is the manifest's `exporter`."""
+    if built is not None and built.cfg != cfg:
+        raise ValueError("pipeline.export(cfg, built=...): `built` was prepared from another config; pass built.cfg, "
+                         "or dataclasses.replace(built, cfg=cfg) where only export settings differ")
     final = Path(cfg.export.output_dir) / cfg.export.filename
     with destination_lock(final):
         remove_orphans(final)
@@ -160,12 +164,12 @@ def _export(cfg: D2ExportConfig, root: Path | None, final: Path, built: Built | 
     started = time.perf_counter()
     built = built or prepare(cfg, root)
     with building.exact_float32():  # eager references and the trace in float32, as onnxruntime computes
-        return _export_built(cfg, final, built, started)
+        return _export_built(final, built, started)
 
 
-def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float) -> Manifest:
+def _export_built(final: Path, built: Built, started: float) -> Manifest:
     _fault_point("built")
-    adapter, e = built.adapter, cfg.export
+    adapter, cfg, e = built.adapter, built.cfg, built.cfg.export
     cases = []
     if cfg.verify.enabled:
         progress.step(3, "eager reference outputs", ", ".join(c for c in map(str, verification_sizes(cfg))))
@@ -176,7 +180,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
         staged_manifest = publish.enter_context(staged(manifest_path(final)))
         with staged(final, suffix=".staged.onnx") as staged_model:
             with export_scope(built) as report:
-                result = _export_by_route(cfg, built, staged_model, axes)
+                result = _export_by_route(built, staged_model, axes)
                 log.info("exported %d nodes in %.1f s", result.node_count, result.seconds)
                 _fault_point("exported")
                 lint = _lint(built, staged_model, result, axes)
@@ -184,7 +188,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
             if lint is not None:
                 log.log(logging.INFO if lint.clean else logging.WARNING, "%s", lint.format())
             with stage("verify"):
-                subject = Subject(built, staged_model, cases)
+                subject = Subject(built, staged_model, cases, result.exporter)
                 verification = (float32.verify_float32(subject) if cases
                                 else {"passed": None}) | {"device": built.device}  # where the references ran
                 own = getattr(adapter, "own_inference", None)  # segmenters: served results vs own inference
@@ -197,7 +201,7 @@ def _export_built(cfg: D2ExportConfig, final: Path, built: Built, started: float
                 if e.int8:
                     verification["int8"] = reduced_precision.quantise_to_int8(subject)
             _fault_point("verified")
-            manifest = _manifest(built, staged_model, final.name, report, lint, verification, started)
+            manifest = _manifest(built, staged_model, final.name, result.exporter, report, lint, verification, started)
             if cases:  # what users receive, against the model's own code (text spotters' words)
                 with stage("verify"):
                     served = served_text.check(built, staged_model, manifest, _unpinned_pictures(cases, verification))
@@ -228,15 +232,15 @@ def _lint(built: Built, staged_model: Path, result, axes):
     return None
 
 
-def _export_by_route(cfg: D2ExportConfig, built: Built, staged_model: Path, axes):
+def _export_by_route(built: Built, staged_model: Path, axes):
     """The graph through export.exporter's route; `auto`: TorchScript's, then torch.export's where that fails (the
-    route PyTorch keeps). The config then names the route that wrote the graph: the lint, the ladder and the
-    manifest read it."""
-    e, adapter = cfg.export, built.adapter
-    routes = ["torchscript", "dynamo"] if e.exporter == "auto" else [e.exporter]
-    for i, route in enumerate(routes):
-        e.exporter = route
-        args = torch_inputs(adapter, dummy_images(traced_sizes(cfg, adapter.batchable), cfg.model.seed))
+    route PyTorch keeps). The result names the route that wrote the graph: the lint, the ladder and the manifest read
+    it there."""
+    cfg, adapter = built.cfg, built.adapter
+    e = cfg.export
+    tried = routes(e.exporter)
+    for i, route in enumerate(tried):
+        args = torch_inputs(adapter, dummy_images(traced_sizes(cfg, adapter.batchable, route), cfg.model.seed))
         progress.step(4, "exporting", f"{route} exporter, opset {e.opset}, sampler {e.sampler}")
         try:
             with progress.busy(f"exporting ({route})"), stage("export"):
@@ -244,13 +248,14 @@ def _export_by_route(cfg: D2ExportConfig, built: Built, staged_model: Path, axes
                                    output_names=adapter.output_names, dynamic_axes=axes, opset=e.opset,
                                    exporter=route, simplify=e.simplify)
         except ExportError as error:
-            if i + 1 == len(routes):
+            if i + 1 == len(tried):
                 raise
-            log.warning("export.exporter=auto: the %s exporter failed, trying %s next:\n%s", route, routes[i + 1],
+            log.warning("export.exporter=auto: the %s exporter failed, trying %s next:\n%s", route, tried[i + 1],
                         error)
 
 
-def _manifest(built: Built, model: Path, name: str, report, lint, verification: dict, started: float) -> Manifest:
+def _manifest(built: Built, model: Path, name: str, exporter: str, report, lint, verification: dict,
+              started: float) -> Manifest:
     import onnx
 
     e = built.cfg.export
@@ -263,7 +268,7 @@ def _manifest(built: Built, model: Path, name: str, report, lint, verification: 
         model_file=name, family=built.family.name,
         inputs=_documented(graph_specs(graph.input), built.family.input_docs),
         outputs=_documented(graph_specs(graph.output), built.family.output_docs),
-        opset=opset, exporter=e.exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
+        opset=opset, exporter=exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
         precision="int8" if e.int8 else "float16" if e.fp16 else "float32",
         preprocess=built.family.preprocess(built.d2cfg) | _min_input_size(lint) | _size_divisibility(built),
         postprocess=built.family.postprocess(built.d2cfg) | built.charset

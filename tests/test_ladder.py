@@ -279,13 +279,14 @@ def test_a_ladder_that_crashes_is_an_error_beside_the_verifications_verdict(monk
     turn a module's tensors into Python sizes), that is an error in the report, never a clean ladder, and the
     refusal keeps its own figures."""
     from d2export.verification import float32
+    from d2export.verification.subject import Subject
 
-    def broken(built):
+    def broken(built, route=None):
         raise RuntimeError("the traced run did not call what the eager probe did")
 
     monkeypatch.setattr(ladder, "ladder", broken)
     with caplog.at_level("WARNING", logger="d2export"):
-        summary = ladder._ladder_summary(None)
+        summary = ladder._ladder_summary(Subject(None, None, [], "torchscript"))
     assert summary["culprit"] is None and summary["diverged"] is None and "did not call" in summary["error"]
     assert float32._culprit_line(summary) == (
         "\nthe parity ladder crashed (no module compared): RuntimeError: the traced run did not call what the eager "

@@ -40,7 +40,7 @@ def exported(tmp_path_factory):
 @pytest.fixture
 def no_ladder(monkeypatch):
     """The parity ladder (run on every failure) is not what these tests look at; it costs a second export."""
-    monkeypatch.setattr(ladder, "_ladder_summary", lambda built: {"culprit": None})
+    monkeypatch.setattr(ladder, "_ladder_summary", lambda subject: {"culprit": None})
 
 
 def _decoder(built):

@@ -157,7 +157,7 @@ def test_the_graph_makes_each_attention_mask_once_per_query_and_verifies(built):
 def test_a_wrong_per_query_mask_is_refused(built, monkeypatch):
     """The per-query masks at threshold 0.4 (the trace-time check switched off, as under torch.export): the graph
     attends elsewhere than the model, and verification refuses it."""
-    monkeypatch.setattr(ladder, "_ladder_summary", lambda built: {"culprit": None})
+    monkeypatch.setattr(ladder, "_ladder_summary", lambda subject: {"culprit": None})
     monkeypatch.setattr(masked_decoder, "_differs", lambda ours, theirs: False)
 
     def wrong(outputs_mask, size):

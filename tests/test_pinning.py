@@ -72,7 +72,7 @@ def _module(built, name: str) -> nn.Module:
 @pytest.fixture
 def no_ladder(monkeypatch):
     """The parity ladder (run on every failure) is not what these tests look at; it costs a second export."""
-    monkeypatch.setattr(ladder, "_ladder_summary", lambda built: {"culprit": None})
+    monkeypatch.setattr(ladder, "_ladder_summary", lambda subject: {"culprit": None})
 
 
 def _assert_pinned(verification: dict, precision_bound: float):

@@ -128,14 +128,14 @@ def lint_export(built, staged: Path, result: ExportResult, axes: dict | None) ->
         report.min_sizes = result.size_assumptions.minimum
         report.never_one = result.size_assumptions.never_one
         return report
-    sizes = traced_sizes(built.cfg, built.adapter.batchable)
+    sizes = traced_sizes(built.cfg, built.adapter.batchable, result.exporter)
     h, w = sizes[0]
     second = [(h + 32, max(64, w - 32))] + [tuple(s) for s in sizes[1:]]
     with tempfile.TemporaryDirectory() as tmp, progress.busy("lint: tracing at a second size"):
         e = built.cfg.export
         export_onnx(built.adapter, torch_inputs(built.adapter, dummy_images(second, 7)), Path(tmp) / "second.onnx",
                     input_names=built.adapter.input_names, output_names=built.adapter.output_names,
-                    dynamic_axes=axes, opset=e.opset, exporter=e.exporter)
+                    dynamic_axes=axes, opset=e.opset, exporter=result.exporter)
         report.identical, report.size_dependent_constants = compare_graphs(
             onnx.load(str(staged)), onnx.load(str(Path(tmp) / "second.onnx")))
     return report

@@ -38,6 +38,7 @@ class ExportResult:
     tracer_warnings: list[warnings.WarningMessage] = field(default_factory=list)
     node_count: int = 0
     size_assumptions: Assumptions | None = None  # through torch.export: what its capture assumed of the sizes
+    exporter: str = "torchscript"  # the route that wrote the graph (export.exporter=auto chooses it at export)
 
 
 def export_onnx(
@@ -73,15 +74,22 @@ def export_onnx(
         if simplify:
             model = _slim(model)
             onnx.save(model, str(tmp))
-    return ExportResult(path, time.perf_counter() - start, caught, len(model.graph.node), assumed)
+    return ExportResult(path, time.perf_counter() - start, caught, len(model.graph.node), assumed, exporter)
 
 
-def traced_sizes(cfg: D2ExportConfig, batchable: bool = True) -> list[tuple[int, int]]:
-    """The dummy batch the graph is traced on. torch.export specialises a dimension of size 1 to a constant, so a
-    single dummy image gets a twin there (a dynamic batch must be traced at 2 or more) where the graph takes a batch
-    (`batchable`: its adapter's; detectron2's own detectors take one image per run)."""
+def routes(exporter: str) -> list[str]:
+    """The exporters `export.exporter` tries, in order: `auto` is TorchScript's, then torch.export's where that fails
+    (the route PyTorch keeps)."""
+    return ["torchscript", "dynamo"] if exporter == "auto" else [exporter]
+
+
+def traced_sizes(cfg: D2ExportConfig, batchable: bool = True, route: str | None = None) -> list[tuple[int, int]]:
+    """The dummy batch the graph is traced on through `route` (default: the config's; `auto` starts with
+    TorchScript's). torch.export specialises a dimension of size 1 to a constant, so a single dummy image gets a twin
+    there (a dynamic batch must be traced at 2 or more) where the graph takes a batch (`batchable`: its adapter's;
+    detectron2's own detectors take one image per run)."""
     sizes = [tuple(s) for s in cfg.export.dummy_sizes]
-    if cfg.export.exporter == "dynamo" and cfg.export.dynamic and batchable and len(sizes) == 1:
+    if (route or cfg.export.exporter) == "dynamo" and cfg.export.dynamic and batchable and len(sizes) == 1:
         sizes = sizes * 2
     return sizes
 

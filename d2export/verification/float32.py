@@ -35,7 +35,7 @@ def verify_float32(subject: Subject) -> dict:
     if pinned:
         summary["pinned"] = [p.to_dict() for p in pinned]
     if built.cfg.verify.ladder or not summary["passed"]:
-        summary["ladder"] = ladder._ladder_summary(built)
+        summary["ladder"] = ladder._ladder_summary(subject)
     try:
         comparison.check(results)
     except comparison.VerificationError as e:
@@ -110,7 +110,7 @@ def check_below_minimums(subject: Subject, min_sizes: dict[str, int]) -> dict:
         cases.append(comparison.Case(f"{h}x{w}", graph_inputs(built.adapter, images), expected, images))
     failed = None
     if cases:
-        below = Subject(built, subject.path, cases)
+        below = Subject(built, subject.path, cases, subject.route)
         results, _ = _float32_results(below, check_sessions.session(subject.path, built.cfg.verify.providers),
                                       check_sessions.selecting_copy(subject.path))
         failed = next((c.name for c in cases if not all(r.ok for r in results if r.case == c.name)), None)

@@ -36,7 +36,7 @@ from torch import nn
 
 from d2export import progress
 from d2export.verification import near_ties, pinning, check_sessions
-from d2export.exporting.onnx_export import export_onnx, export_scope, traced_sizes
+from d2export.exporting.onnx_export import export_onnx, export_scope, routes, traced_sizes
 from d2export.verification.cases import verification_sizes
 from d2export.verification.comparison import difference
 from d2export.verification.tolerances import float32_tolerances
@@ -425,27 +425,30 @@ def no_scope():
 
 
 # -------------------------------------------------------------------------------------------- for a prepared model
-def ladder(built, sizes: Sequence[Sequence[int]] | None = None):
+def ladder(built, sizes: Sequence[Sequence[int]] | None = None, route: str | None = None):
     """The parity ladder (docs/ladder.md) for a prepared model (the pipeline's Built): its export settings and
-    scope, the export's dummy input first, then one image per size (the verification sizes by default). Call it with
-    no export scope open: it opens its own around a throwaway export."""
+    scope through `route` (the exporter that wrote the graph; default: the config's, `auto`'s first), the export's
+    dummy input first, then one image per size (the verification sizes by default). Call it with no export scope
+    open: it opens its own around a throwaway export."""
     cfg, tol = built.cfg, float32_tolerances(built.cfg)
+    route = route or routes(cfg.export.exporter)[0]
     sizes = [tuple(s) for s in (sizes or verification_sizes(cfg, getattr(built, "size_divisibility", 0)))]
     cases = {f"{h}x{w}": dummy_images([(h, w)], seed=2000 + 10 * i) for i, (h, w) in enumerate(sizes)}
-    return run_ladder(built.adapter, cfg.export, lambda: export_scope(built),
-                      dummy_images(traced_sizes(cfg, built.adapter.batchable), cfg.model.seed), cases,
+    return run_ladder(built.adapter, replace(cfg.export, exporter=route), lambda: export_scope(built),
+                      dummy_images(traced_sizes(cfg, built.adapter.batchable, route), cfg.model.seed), cases,
                       atol=max(tol.atol, tol.pixel_atol),  # inner tensors have no kind: the loosest
                       rtol=tol.rtol, max_mismatch=tol.max_mismatch, providers=cfg.verify.providers,
                       output_tolerances=tol.per_output(built.adapter.output_names, built.family.output_kinds))
 
 
-def _ladder_summary(built) -> dict:
-    """The parity ladder run and logged: its report, as the manifest keeps it. A diagnosis: where it crashes, that is
-    an error in the report (logged as one, `error` in the summary, a line in a refusal), and the verification's own
-    verdict stands beside it (the crash must not stand in for a refusal's figures, nor read as a clean ladder)."""
+def _ladder_summary(subject) -> dict:
+    """The parity ladder of `subject` (through the route that wrote its graph) run and logged: its report, as the
+    manifest keeps it. A diagnosis: where it crashes, that is an error in the report (logged as one, `error` in the
+    summary, a line in a refusal), and the verification's own verdict stands beside it (the crash must not stand in
+    for a refusal's figures, nor read as a clean ladder)."""
     try:
         with progress.busy("parity ladder"):
-            report = ladder(built)
+            report = ladder(subject.built, route=subject.exporter)
     except Exception as e:  # noqa: BLE001
         log.error("parity ladder: crashed, no module compared (%s: %s)", type(e).__name__, e)
         return {"diverged": None, "culprit": None, "cases": [], "error": f"{type(e).__name__}: {e}"}

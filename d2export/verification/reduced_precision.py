@@ -38,7 +38,7 @@ def quantise_to_int8(subject: Subject) -> dict:
     pictures = None
     if e.int8 == "static":
         files = picture_files(e.calibration, e.calibration_count)
-        pictures = int8.Pictures(files, _picture_feeds(built, path))
+        pictures = int8.Pictures(files, _picture_feeds(built, path, subject.exporter))
     how = (f"calibrating on {len(pictures)} pictures ({e.calibration_method})" if pictures
            else "weights int8, activations quantised per run")
     progress.step(5, f"quantising to int8 ({e.int8})", how)
@@ -56,7 +56,7 @@ def quantise_to_int8(subject: Subject) -> dict:
     return summary | {"quantization": record.to_dict()}
 
 
-def _picture_feeds(built, path: Path):
+def _picture_feeds(built, path: Path, exporter: str):
     """A picture (HWC RGB uint8) → the graph's inputs, as the runtime predictor makes them."""
     import onnx
 
@@ -68,7 +68,7 @@ def _picture_feeds(built, path: Path):
     if getattr(built, "size_divisibility", 0):  # the model runs only at its multiples: padded as when served
         preprocess["size_divisibility"] = built.size_divisibility
     processing = Processing(Manifest(model_file=path.name, family=built.family.name, inputs=graph_specs(graph.input),
-                                     outputs=graph_specs(graph.output), opset=e.opset or 0, exporter=e.exporter,
+                                     outputs=graph_specs(graph.output), opset=e.opset or 0, exporter=exporter,
                                      preprocess=preprocess))
     return lambda picture: processing.feeds([processing.prepare(picture, "RGB")])
 

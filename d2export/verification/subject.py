@@ -17,6 +17,13 @@ class Subject:
     built: object
     path: Path
     cases: Sequence[comparison.Case]
+    route: str = ""  # the exporter that wrote the graph (export.exporter=auto chooses it); "": the config's first
+
+    @property
+    def exporter(self) -> str:
+        from d2export.exporting.onnx_export import routes
+
+        return self.route or routes(self.built.cfg.export.exporter)[0]
 
     @property
     def output_names(self) -> list[str]:
