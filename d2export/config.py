@@ -233,9 +233,6 @@ def resolve(cfg: Any) -> D2ExportConfig:
     if e.int8 and e.fp16:
         raise ConfigError("export.int8 and export.fp16 both set: a graph has one precision")
     _one_of("export.fp16_fused", e.fp16_fused, FUSED_PRECISIONS)
-    if e.int8 == "static" and e.sampler == "fused":
-        raise ConfigError("export.int8=static with export.sampler=fused: onnxruntime's calibrator cannot load the fused "
-                          "operator; use export.sampler=gather, or export.int8=dynamic")
     if e.int8 == "static" and not e.calibration:
         raise ConfigError("export.int8=static needs export.calibration: a folder of pictures (`d2export synth text "
                           "--out DIR`) or a registered dataset")

@@ -107,7 +107,6 @@ def test_calibration_pictures_are_read_a_range_at_a_time(tmp_path):
     (["export.int8=half"], "choose dynamic or static"),
     (["export.int8=dynamic", "export.fp16=true"], "one precision"),
     (["export.int8=static"], "needs export.calibration"),
-    (["export.int8=static", "export.calibration=x", "export.sampler=fused"], "calibrator cannot load"),
     (["export.int8=static", "export.calibration=x", "export.calibration_method=kl"], "minmax, entropy or percentile"),
 ])
 def test_int8_settings_are_checked_up_front(overrides, says):
@@ -179,6 +178,29 @@ def test_static_int8_calibrates_on_pictures_and_verifies(text_pictures, tmp_path
     assert any("/encoder/" in n for n in q["kept_float"]) and any("/decoder/" in n for n in q["kept_float"])
 
 
+def test_static_int8_of_the_fused_graph_is_calibrated_through_the_fused_operator_and_verifies(text_pictures,
+                                                                                              tmp_path):
+    """The fused sampler (the fastest float graph) quantised statically: onnxruntime's calibrator runs the graph with
+    d2export's operator registered; the operator stays one float node among the int8 MatMuls, and onnxruntime's
+    calibrators open their sessions as before once it is done."""
+    import onnx
+    from onnxruntime.quantization.calibrate import CalibraterBase
+
+    from d2export.kernels.custom_ops import FUSED_MSDA_ID
+
+    own = CalibraterBase.__dict__["create_inference_session"]
+    manifest = export("textdet_micro", tmp_path, "export.int8=static", "export.sampler=fused",
+                      f"export.calibration={text_pictures}", "export.calibration_count=8", "verify.batch=false",
+                      "export.lint=false")
+    v = manifest.verification["int8"]
+    assert manifest.precision == "int8" and v["passed"] is True and manifest.custom_ops == [FUSED_MSDA_ID]
+    nodes = onnx.load(str(tmp_path / manifest.model_file)).graph.node
+    fused = [n for n in nodes if n.domain == "d2export"]
+    assert fused and {n.op_type for n in fused} == {"MultiScaleDeformableAttention"}
+    assert v["quantization"]["quantized"] > 20 and any(n.op_type == "QuantizeLinear" for n in nodes)
+    assert CalibraterBase.__dict__["create_inference_session"] is own  # onnxruntime's own again
+
+
 def test_a_wrong_int8_graph_is_refused_and_nothing_is_written(text_pictures, tmp_path, monkeypatch):
     """The spotter's convolutions and encoder quantised statically too (what text spotters keep float): proposals
     move and a confident word lands elsewhere. Refused; nothing written."""
@@ -205,3 +227,35 @@ def test_a_reader_whose_text_branch_is_quantised_is_refused(tmp_path, monkeypatc
     with pytest.raises(VerificationError, match="char_scores"):
         export("textdet_micro", tmp_path, "export.int8=dynamic", "verify.pin_selections=false", "export.lint=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
+
+
+def test_the_fused_graph_is_optimised_with_its_operator_so_convolutions_fold_their_batch_norm(tmp_path):
+    """Before quantising, onnxruntime's basic optimisations run with d2export's operator registered: a Conv's
+    BatchNormalization is folded into it (else no quantised Conv can fuse with its quantize/dequantize pair: every
+    convolution of the fused R-50 graph stayed float, its int8 weights dequantised at each run), and the fused node
+    is kept as it is."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from d2export.kernels.custom_ops import FUSED_MSDA_ID, fused_msda_model, graph_ops
+
+    msda = onnx.load_from_string(fused_msda_model())
+    rng = np.random.default_rng(5)
+    init = [numpy_helper.from_array(rng.normal(size=s).astype(np.float32), n) for n, s in
+            [("w", (4, 3, 3, 3)), ("scale", (4,)), ("bias", (4,)), ("mean", (4,))]]
+    init.append(numpy_helper.from_array(np.abs(rng.normal(size=4)).astype(np.float32) + 0.5, "var"))
+    conv = [helper.make_node("Conv", ["x", "w"], ["c"], name="/backbone/conv1/Conv", pads=[1, 1, 1, 1]),
+            helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"], ["y"], name="/backbone/bn")]
+    graph = helper.make_graph(conv + list(msda.graph.node), "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])]
+                              + list(msda.graph.input),
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)] + list(msda.graph.output),
+                              init)
+    src = tmp_path / "src.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=msda.opset_import), str(src))
+    int8.basic_optimised(src, tmp_path / "optimised.onnx", graph_ops(onnx.load(str(src))))
+    optimised = onnx.load(str(tmp_path / "optimised.onnx"))
+    ops = [n.op_type for n in optimised.graph.node]
+    assert "BatchNormalization" not in ops and ops.count("Conv") == 1
+    assert graph_ops(optimised) == [FUSED_MSDA_ID]
+    assert [n.name for n in optimised.graph.node if n.op_type == "Conv"] == ["/backbone/conv1/Conv"]  # scopes hold

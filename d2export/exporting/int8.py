@@ -5,12 +5,13 @@ quantisation of the operator types that pay, with what int8 breaks kept float by
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -110,6 +111,49 @@ class Pictures:
         return self.feeds(picture)
 
 
+def basic_optimised(src: Path, dst: Path, ops: Sequence[str]) -> None:
+    """onnxruntime's basic graph optimisations (BatchNormalization folded into its Conv, constants folded) written to
+    `dst`, as `quant_pre_process` runs them but with the graph's custom operators registered: its own session cannot
+    load them, and without the folding every convolution of the fused graph stayed float, its int8 weights
+    dequantised at each run (onnxruntime fuses a quantised Conv only where a quantised output follows it)."""
+    import onnxruntime
+
+    from d2export.kernels import custom_ops
+
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(dst)
+    onnxruntime.InferenceSession(str(src), custom_ops.register(options, ops), providers=["CPUExecutionProvider"])
+
+
+@contextlib.contextmanager
+def calibrator_running(ops: Sequence[str]) -> Iterator[None]:
+    """onnxruntime's calibrators open their session with bare options, which cannot load d2export's fused operator:
+    for the block, they open it with the operator registered (the kernel the runtime serves with), so the fused
+    graph is calibrated as it is served. Nothing changes for a graph without custom operators."""
+    if not ops:
+        yield
+        return
+    import onnxruntime
+    from onnxruntime.quantization.calibrate import CalibraterBase
+
+    from d2export.kernels import custom_ops
+
+    def create_inference_session(self):
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL  # as onnxruntime's
+        self.infer_session = onnxruntime.InferenceSession(self.augmented_model_path,
+                                                          sess_options=custom_ops.register(options, ops),
+                                                          providers=self.execution_providers)
+
+    own = CalibraterBase.__dict__["create_inference_session"]
+    CalibraterBase.create_inference_session = create_inference_session
+    try:
+        yield
+    finally:
+        CalibraterBase.create_inference_session = own
+
+
 def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: Sequence[str],
              pictures: Pictures | None = None, method: str = "minmax",
              static_ops: Sequence[str] = ("Conv", "MatMul", "Gemm")) -> Int8Record:
@@ -125,13 +169,11 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
     from d2export.kernels.custom_ops import graph_ops
 
     custom = graph_ops(onnx.load(str(src), load_external_data=False))
-    if custom and mode == "static":
-        raise ValueError(f"export.int8=static: onnxruntime's calibrator cannot load the graph's {', '.join(custom)}; "
-                         "export with export.sampler=gather, or use export.int8=dynamic")
     with tempfile.TemporaryDirectory(prefix="d2export-int8-") as tmp:
-        pre = Path(tmp) / "pre.onnx"
-        # shapes are dynamic: ONNX's inference alone; the optimising session cannot load custom operators
-        quant_pre_process(str(src), str(pre), skip_symbolic_shape=True, skip_optimization=bool(custom))
+        optimised, pre = Path(tmp) / "optimised.onnx", Path(tmp) / "pre.onnx"
+        basic_optimised(src, optimised, custom)
+        # shapes are dynamic: ONNX's inference alone
+        quant_pre_process(str(optimised), str(pre), skip_symbolic_shape=True, skip_optimization=True)
         prepared = onnx.load(str(pre), load_external_data=False)
         kept = float_nodes(prepared, op_types, scopes)
         # weight MatMuls only: attention's activation x activation products stay float
@@ -160,10 +202,11 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
                         # the softmax after them in int8, which onnxruntime then fuses into integer ops (Conv keeps its
                         # quantised output: onnxruntime's integer convolution, QLinearConv, needs it)
                         "OpTypesToExcludeOutputQuantization": ["MatMul"]}
-            quantize_static(str(pre), str(dst), pictures, quant_format=QuantFormat.QDQ, op_types_to_quantize=op_types,
-                            per_channel=True, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
-                            weight_type=QuantType.QInt8, nodes_to_exclude=kept,
-                            calibrate_method=methods[method], extra_options=options)
+            with calibrator_running(custom):
+                quantize_static(str(pre), str(dst), pictures, quant_format=QuantFormat.QDQ,
+                                op_types_to_quantize=op_types, per_channel=True, reduce_range=reduce_range,
+                                activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, nodes_to_exclude=kept,
+                                calibrate_method=methods[method], extra_options=options)
             calibration = {"pictures": len(pictures), "method": method}
     quantized = quantized_count(onnx.load(str(dst), load_external_data=False))
     return Int8Record(mode, op_types, reduce_range, why, kept, quantized, calibration)
