@@ -16,6 +16,8 @@ SUBCOMMANDS = {  # subcommand -> ("module:function", one line)
                      "the model's own forward, latency"),
     "native": ("benchmarks.native:main", "the fused operator's CPU library built per x86-64 level and with contraction: "
                "time and bits side by side"),
+    "precision": ("benchmarks.precision:main", "served latency per precision (eager, float32, int8, bfloat16) and what "
+                  "each serves against float32"),
     "gpu": ("benchmarks.gpu:main", "on an NVIDIA GPU: eager (compiled kernel, plugin) against onnxruntime CUDA"),
 }
 
