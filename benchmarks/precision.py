@@ -182,8 +182,10 @@ def _with_config(built, cfg):
 
 def main(argv=None) -> int:
     ap = parser("benchmark.py precision", __doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS),
+                    help="micro and r50: the text spotters; panoptic, instance, semantic: Mask2Former R-50")
+    ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS),
+                    help="bf16 only where the CPU has AVX512-BF16 or AMX (else said and skipped)")
     ap.add_argument("--size", type=int, default=640, help="square picture side")
     ap.add_argument("--threads", type=int, default=2, help="torch, onnxruntime and OpenVINO threads")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")

@@ -70,7 +70,7 @@ def test_every_option_has_help_and_shows_its_default(monkeypatch, command):
     _check_help(ap)
 
 
-@pytest.mark.parametrize("sub", ["msda", "e2e", "serve", "batch"])
+@pytest.mark.parametrize("sub", ["msda", "e2e", "serve", "batch", "precision"])
 def test_benchmark_options_have_help_and_defaults(monkeypatch, sub):
     sys.path.insert(0, str(REPO))
     _check_help(_parser_of(monkeypatch, importlib.import_module(f"benchmarks.{sub}").main, ["--help"]))
