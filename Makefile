@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # torch and torchvision lie on this machine's disk; pin them so pip never pulls a multi-GB build from the registry.
 # Elsewhere: `make TORCH_SPEC="torch torchvision"`, or install your own torch into $(VENV) first.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
-EXTRAS ?= export,serve,dev,slim,batch,fused,synth,eval
+EXTRAS ?= export,serve,dev,slim,batch,fused,synth,eval,openvino
 STAMP  := $(VENV)/.d2export-setup
 CONFIG ?= textdet_micro
 PYTEST_ARGS ?=

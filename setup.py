@@ -198,6 +198,10 @@ setup(
                 "timm>=0.9"],
         # the fused MSDA operator for onnxruntime on the CPU (export.sampler=fused): its kernel and its registration
         "fused": ["numba>=0.59", "onnxruntime-extensions>=0.15"],
+        # export.bf16: the float32 graph served in bfloat16 by OpenVINO's own runtime on CPUs with AVX512-BF16 or
+        # AMX-BF16 (onnxruntime's CPU provider has no bfloat16 GEMM); not onnxruntime-openvino, which would replace
+        # onnxruntime. The range d2export was verified with (2026.4)
+        "openvino": ["openvino>=2026.4,<2027"],
         # `d2export synth`: OpenCV warps words along their curves and traces the visible outlines of shapes
         "synth": ["opencv-python-headless>=4.5"],
         # `d2export evaluate`: polygon areas for the text evaluator (pycocotools comes with detectron2)

@@ -100,6 +100,9 @@ class ExportConfig:
     int8: str = opt("", "write an int8 graph with onnxruntime's quantization: dynamic (MatMul/Gemm weights, "
                     "activations per run) | static (activations calibrated on export.calibration; the family's "
                     "operator types); what int8 breaks stays float (docs/precision.md); verified with verify.int8_*")
+    bf16: bool = opt(False, "serve the float32 graph in bfloat16 through OpenVINO (manifest precision bfloat16, "
+                     "runtime openvino), on CPUs with AVX512-BF16 or AMX-BF16; verified as served with verify.bf16_*; "
+                     "export.sampler gather or grid_sample (OpenVINO cannot load the fused operator)")
     calibration: str = opt("", "int8=static: the calibration pictures, a folder (`d2export synth` writes one) or a "
                            "registered detectron2 dataset")
     calibration_count: int = opt(32, "int8=static: how many of those pictures, the first in name order")
@@ -139,7 +142,14 @@ class VerifyConfig:
     int8_pixel_rtol: float = opt(5e-3, "int8: relative tolerance of coordinates")
     int8_max_mismatch: float = opt(0.1, "int8: fraction of elements allowed outside the tolerance, in detections that "
                                    "are not confident (and ids that may tie in those that are)")
-    top_k: int = opt(5, "float16 and int8: the top-K scoring detections must be the same ones")
+    bf16_atol: float = opt(0.05, "absolute tolerance for a graph served in bfloat16 (export.bf16): scores, "
+                           "probabilities, logits")
+    bf16_rtol: float = opt(0.05, "bfloat16: relative tolerance of scores, probabilities and logits")
+    bf16_pixel_atol: float = opt(3.0, "bfloat16: absolute tolerance of coordinates, in input pixels")
+    bf16_pixel_rtol: float = opt(5e-3, "bfloat16: relative tolerance of coordinates")
+    bf16_max_mismatch: float = opt(0.1, "bfloat16: fraction of elements allowed outside the tolerance, in detections "
+                                   "that are not confident (and ids that may tie in those that are)")
+    top_k: int = opt(5, "float16, int8 and bfloat16: the top-K scoring detections must be the same ones")
     min_top_k_agreement: float = opt(0.8, "float16: least fraction of the eager top-K found in the graph's top-K")
     providers: List[str] = opt(factory=lambda: ["CPUExecutionProvider"], help="onnxruntime providers for "
                                "verification (cpu, cuda, tensorrt or onnxruntime's names): verify on the one you "
@@ -230,8 +240,11 @@ def resolve(cfg: Any) -> D2ExportConfig:
         raise ConfigError(f"export.opset={e.opset}: {e.target} takes {lo}–{hi}")
     if e.int8 not in ("", "dynamic", "static"):
         raise ConfigError(f"export.int8={e.int8!r}: choose dynamic or static (or leave it empty for float)")
-    if e.int8 and e.fp16:
-        raise ConfigError("export.int8 and export.fp16 both set: a graph has one precision")
+    if sum(map(bool, (e.int8, e.fp16, e.bf16))) > 1:
+        raise ConfigError("export." + " and export.".join(k for k in ("fp16", "int8", "bf16") if getattr(e, k))
+                          + " both set: a graph has one precision")
+    if e.bf16:
+        _bf16_servable(e, v.enabled)
     _one_of("export.fp16_fused", e.fp16_fused, FUSED_PRECISIONS)
     if e.int8 == "static" and not e.calibration:
         raise ConfigError("export.int8=static needs export.calibration: a folder of pictures (`d2export synth text "
@@ -247,7 +260,8 @@ def resolve(cfg: Any) -> D2ExportConfig:
     _sizes("verify.sizes", v.sizes, e.max_pixels)
     for key in ("atol", "rtol", "max_mismatch", "fp16_atol", "fp16_rtol", "fp16_pixel_atol", "fp16_pixel_rtol",
                 "fp16_max_mismatch", "int8_atol", "int8_rtol", "int8_pixel_atol", "int8_pixel_rtol",
-                "int8_max_mismatch", "confident"):
+                "int8_max_mismatch", "bf16_atol", "bf16_rtol", "bf16_pixel_atol", "bf16_pixel_rtol",
+                "bf16_max_mismatch", "confident"):
         if not getattr(v, key) >= 0:
             raise ConfigError(f"verify.{key}={getattr(v, key)}: must be 0 or more")
     if v.top_k < 1 or not 0 <= v.min_top_k_agreement <= 1:
@@ -257,6 +271,25 @@ def resolve(cfg: Any) -> D2ExportConfig:
 
     _one_of("model.family", obj.model.family, families.requestable())
     return obj
+
+
+def _bf16_servable(e: ExportConfig, verifying: bool) -> None:
+    """export.bf16: a graph OpenVINO loads (no d2export or TensorRT operator), verified as served on a CPU with
+    bfloat16 instructions; each refusal in one line."""
+    if e.target != "onnxruntime":
+        raise ConfigError(f"export.bf16 with export.target={e.target}: bfloat16 is served by OpenVINO on the CPU; "
+                          "use export.target=onnxruntime (for TensorRT: export.fp16=true)")
+    if e.sampler not in ("gather", "grid_sample", "pytorch", "auto"):
+        raise ConfigError(f"export.bf16 with export.sampler={e.sampler}: bfloat16 is served by OpenVINO, which cannot "
+                          "load that operator; use export.sampler=gather (or grid_sample)")
+    if verifying:  # verification serves the graph in bfloat16 here
+        from d2export.runtime.openvino_session import Bf16Unavailable, require_bf16
+
+        try:
+            require_bf16(what="export.bf16 (verified as served in bfloat16)",
+                         instead="export on such a CPU, or leave export.bf16 off (float32, or export.int8=dynamic)")
+        except Bf16Unavailable as refusal:
+            raise ConfigError(str(refusal)) from None
 
 
 def check_files(cfg: D2ExportConfig, root: Path) -> None:

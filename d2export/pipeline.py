@@ -26,7 +26,7 @@ from d2export import __version__, building, progress
 from d2export.building import charset_search
 from d2export.charset import CharsetError
 from d2export.config import D2ExportConfig, check_files
-from d2export.verification import served_text, float32, reduced_precision
+from d2export.verification import bfloat16, served_text, float32, reduced_precision
 from d2export.exporting.lint import lint_export
 from d2export.exporting.onnx_export import ExportError, export_onnx, export_scope, routes, traced_sizes
 # ladder and reduced_tolerances live in verification/; d2export.pipeline keeps them for its callers (docs/ladder.md)
@@ -200,6 +200,8 @@ def _export_built(final: Path, built: Built, started: float) -> Manifest:
                     verification["fp16"] = reduced_precision.convert_to_float16(subject)
                 if e.int8:
                     verification["int8"] = reduced_precision.quantise_to_int8(subject)
+                if e.bf16:  # the float32 graph as OpenVINO serves it in bfloat16
+                    verification["bf16"] = bfloat16.verify_bfloat16(subject)
             _fault_point("verified")
             manifest = _manifest(built, staged_model, final.name, result.exporter, report, lint, verification, started)
             if cases:  # what users receive, against the model's own code (text spotters' words)
@@ -269,7 +271,8 @@ def _manifest(built: Built, model: Path, name: str, exporter: str, report, lint,
         inputs=_documented(graph_specs(graph.input), built.family.input_docs),
         outputs=_documented(graph_specs(graph.output), built.family.output_docs),
         opset=opset, exporter=exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
-        precision="int8" if e.int8 else "float16" if e.fp16 else "float32",
+        precision="int8" if e.int8 else "float16" if e.fp16 else "bfloat16" if e.bf16 else "float32",
+        runtime="openvino" if e.bf16 else "onnxruntime",
         preprocess=built.family.preprocess(built.d2cfg) | _min_input_size(lint) | _size_divisibility(built),
         postprocess=built.family.postprocess(built.d2cfg) | built.charset
         | ({"in_graph": True} if e.postprocess == "graph" else {}),

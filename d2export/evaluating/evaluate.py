@@ -158,7 +158,8 @@ def write_vis(folder: Path, reference, run, comparison: dict) -> list[Path]:
 
 
 PRECISIONS = {"fp32": [], "fp16": ["export.fp16=true"], "int8": ["export.int8=dynamic"],
-              "int8-static": ["export.int8=static"]}  # the last needs export.calibration=FOLDER among the overrides
+              "int8-static": ["export.int8=static"],  # needs export.calibration=FOLDER among the overrides
+              "bf16": ["export.bf16=true", "export.sampler=gather"]}  # OpenVINO, where the CPU has bfloat16
 # the first of these every run reports is drawn
 PLOTTED = ("bbox/AP", "text/e2e_hmean", "text/det_hmean", "panoptic_seg/PQ", "sem_seg/mIoU", "segm/AP")
 
@@ -340,7 +341,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                     "differing pictures there (default: none)")
     ap.add_argument("--precision", default="", help="with --config: also export it at each of these precisions "
                     "and evaluate them, comma-separated: fp32, fp16, int8 (dynamic), int8-static (give "
-                    "export.calibration=FOLDER) (default: none)")
+                    "export.calibration=FOLDER), bf16 (OpenVINO, on a CPU with AVX512-BF16 or AMX) (default: none)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads of every run, PyTorch and onnxruntime "
                     "alike (default: 0, torch's count)")
     ap.add_argument("--plot", default=None, metavar="FILE", help="draw accuracy against latency there (default: "

@@ -13,6 +13,7 @@ _LAZY = {  # name → its module: one of the runtime's, or a dotted path from d2
     "TextInstance": "d2export.instances", "ProviderUnavailable": "providers", "Processing": "processing",
     "BadImage": "image_decoding", "decode_image": "image_decoding", "read_image": "image_decoding",
     "draw_prediction": "visualize", "create_app": "server", "write_repository": "triton", "parse_pbtxt": "triton",
+    "OpenVINOSession": "openvino_session", "bf16_supported": "openvino_session",
 }
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from d2export.instances import Prediction
 from d2export.kernels import custom_ops
+from d2export.runtime import openvino_session
 from d2export.runtime.bound_runs import BoundRuns
 from d2export.runtime.model_loading import ModelLoadError, check_schema, load_manifest
 from d2export.runtime.optimized_cache import create_session
@@ -46,12 +47,17 @@ class Predictor(Processing):
         own metadata_props (a lone model.onnx); by default such a model is refused (an interrupted export).
         `cuda_graph`: on the CUDA provider, replay onnxruntime's CUDA graphs (one captured per batch and size, inputs
         and outputs in fixed device buffers: `BoundRuns`) where onnxruntime accepts the graph (every node on the CUDA
-        provider: a fixed-size export), tried first; elsewhere it serves as without, after one line in the log."""
+        provider: a fixed-size export), tried first; elsewhere it serves as without, after one line in the log.
+        A manifest of runtime "openvino" (export.bf16, precision bfloat16) is served by OpenVINO on the CPU in
+        bfloat16 (`openvino_session.py`; `threads` its threads), and refused in one line on a CPU without it."""
         import onnxruntime as ort
 
         self.model_path, self.threads = Path(model_path), int(threads)
         super().__init__(load_manifest(self.model_path, verify_hash, embedded_manifest), score_threshold, min_size,
                          max_size)
+        if self.manifest.runtime == "openvino":  # export.bf16: OpenVINO serves it, at the manifest's precision
+            self._openvino_session(providers, cuda_graph)
+            return
 
         options = ort.SessionOptions()
         options.intra_op_num_threads = int(threads)
@@ -73,6 +79,27 @@ class Predictor(Processing):
         check_schema(self.model_path, self.manifest, self.session)
         # the kernel that really serves: the CUDA one where onnxruntime placed the session on its CUDA provider
         self.msda_kernel = custom_ops.serving_kernel(self.manifest.custom_ops, self.session.get_providers())
+
+    def _openvino_session(self, providers: Sequence[str], cuda_graph: bool) -> None:
+        """The session of a graph OpenVINO serves (manifest runtime "openvino"), on the CPU: a bfloat16 graph in
+        bfloat16, refused in one line on a CPU without it (Bf16Unavailable) or where another provider is asked for."""
+        asked = [PROVIDERS.get(p.lower(), p) for p in providers]
+        if any(p != PROVIDERS["cpu"] for p in asked) or cuda_graph:
+            raise ProviderUnavailable(f"{self.model_path.name} is a {self.manifest.precision} graph served by OpenVINO "
+                                      "on the CPU: serve it with the cpu provider (for a GPU, export float16: "
+                                      "export.fp16=true)")
+        precision = "bf16" if self.manifest.precision == "bfloat16" else "f32"
+        if precision == "bf16":
+            openvino_session.require_bf16(what=f"{self.model_path.name} (precision bfloat16, served by OpenVINO)")
+        self.providers, self.bound, self.msda_kernel = [openvino_session.PROVIDER], None, None
+        try:
+            self.session = openvino_session.OpenVINOSession(self.model_path, precision, self.threads)
+        except ProviderUnavailable:
+            raise
+        except Exception as e:  # noqa: BLE001 - OpenVINO's reading errors span many lines and types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelLoadError(f"{self.model_path}: OpenVINO cannot load this model ({first[:300]})") from None
+        check_schema(self.model_path, self.manifest, self.session)
 
     def _cuda_graph_session(self, options, per_provider: list[dict]) -> tuple[Any, BoundRuns | None]:
         """A session that captures CUDA graphs and its runner, built first so that a graph onnxruntime accepts costs

@@ -76,7 +76,10 @@ def serving_settings(options, providers: Sequence[str], precision: str = "float3
 
 
 def disabled_optimizers(session) -> list[str]:
-    """The graph transformers a session was built without (for metadata and the manifest)."""
+    """The graph transformers a session was built without (for metadata and the manifest; none for a session that is
+    not onnxruntime's: OpenVINO's)."""
+    if not hasattr(session, "get_session_options"):
+        return []
     try:
         value = session.get_session_options().get_session_config_entry(DISABLED_OPTIMIZERS_KEY)
     except RuntimeError:  # onnxruntime's answer for an entry never set

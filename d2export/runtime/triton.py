@@ -172,6 +172,9 @@ def write_repository(model_path: str | os.PathLike, repo: str | os.PathLike, nam
     config_text's keywords."""
     model_path = Path(model_path)
     manifest = Manifest.read(manifest_path(model_path))
+    if manifest.runtime != "onnxruntime":  # export.bf16: Triton's onnxruntime backend would serve it in float32
+        raise ValueError(f"{model_path} is a {manifest.precision} graph served by {manifest.runtime}, not Triton's "
+                         "onnxruntime backend: export it in float32 or float16 for Triton")
     library = operator_library(manifest, model_path)  # checked before anything is written
     name = name or model_path.stem
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):

@@ -18,8 +18,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 # relative gap under which two scores count as near-tied after a deep network's noise: float32, float16 (whose
-# own spacing is ~1e-3 relative), and int8 (a step of 1/255 of a tensor's range, ~1e-2 of its largest values)
-CLOSE = {"float32": 1e-5, "float16": 2e-3, "int8": 1e-2}
+# own spacing is ~1e-3 relative), int8 (a step of 1/255 of a tensor's range, ~1e-2 of its largest values) and
+# bfloat16 (8 bits of mantissa: a spacing of ~8e-3 relative)
+CLOSE = {"float32": 1e-5, "float16": 2e-3, "int8": 1e-2, "bfloat16": 1e-2}
 
 
 @dataclass
@@ -56,8 +57,18 @@ def selecting_session(model_path: str | Path, session_options=None, providers=("
     threshold inside the network: Mask2Former's attention masks) with its result (the written model is not touched):
     (onnxruntime session, the selecting nodes in graph order; an NMS as an `Exposed` whose names are the graph
     outputs carrying its tensors, a threshold as a `Threshold`)."""
-    import onnx
     import onnxruntime as ort
+
+    model, nodes = selecting_model(model_path)
+    options = session_options or ort.SessionOptions()
+    options.log_severity_level = 3  # the warnings were shown when the graph itself was checked
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
+    return session, nodes
+
+
+def selecting_model(model_path: str | Path) -> tuple:
+    """The verification copy `selecting_session` opens, as an onnx ModelProto: (the model, the selecting nodes)."""
+    import onnx
 
     model = onnx.load(str(model_path))
     nodes = [n for n in model.graph.node if n.op_type in ("TopK", "ArgMax")]
@@ -73,10 +84,7 @@ def selecting_session(model_path: str | Path, session_options=None, providers=("
             model.graph.output.append(typed.get(name) or onnx.helper.make_tensor_value_info(name, dtype, None))
     suppressions = _expose_suppressions(model.graph)
     thresholds = _expose_thresholds(model.graph)
-    options = session_options or ort.SessionOptions()
-    options.log_severity_level = 3  # the warnings were shown when the graph itself was checked
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=list(providers))
-    return session, nodes + suppressions + thresholds
+    return model, nodes + suppressions + thresholds
 
 
 @dataclass
@@ -172,12 +180,19 @@ class SelectingCopy:
     pinning and its near-tie lines read the same copy (each opening loads the graph, infers its shapes and starts a
     session)."""
 
-    def __init__(self, path: str | Path, make_options: Callable[[], object] | None = None):
+    def __init__(self, path: str | Path, make_options: Callable[[], object] | None = None,
+                 open_model: Callable[[object], object] | None = None):
+        """`open_model`: a session of another runtime for the copy's ModelProto (OpenVINO's for bfloat16), instead of
+        onnxruntime's on `make_options`."""
         self.path, self.make_options = path, make_options  # options made at opening too: a passing check opens none
+        self.open_model = open_model
 
     @functools.cached_property
     def opened(self) -> tuple:
-        """(onnxruntime session, the selecting nodes), as `selecting_session` returns them."""
+        """(session, the selecting nodes), as `selecting_session` returns them."""
+        if self.open_model is not None:
+            model, nodes = selecting_model(self.path)
+            return self.open_model(model), nodes
         return selecting_session(self.path, self.make_options() if self.make_options else None)
 
 

@@ -73,13 +73,15 @@ def _picture_feeds(built, path: Path, exporter: str):
     return lambda picture: processing.feeds([processing.prepare(picture, "RGB")])
 
 
-def _verify_reduced(subject: Subject, precision: str) -> dict:
+def _verify_reduced(subject: Subject, precision: str, session=None, copy=None) -> dict:
     """The reduced-precision graph's verification summary against eager float32: each output by its kind, the top-K
-    detections the same, near-tied selections pinned where float noise explains them; or VerificationError."""
+    detections the same, near-tied selections pinned where float noise explains them; or VerificationError.
+    `session` and `copy` (its selecting copy): the graph as another runtime serves it (bfloat16.py: OpenVINO's);
+    by default onnxruntime's on `verify.providers`."""
     cfg, path, cases, names = subject.built.cfg, subject.path, subject.cases, subject.output_names
     tol, kinds = reduced_tolerances(cfg, precision), subject.built.family.output_kinds
-    session = check_sessions.session(path, cfg.verify.providers, precision)
-    copy = check_sessions.selecting_copy(path)  # opened only if a case fails
+    session = session or check_sessions.session(path, cfg.verify.providers, precision)
+    copy = copy or check_sessions.selecting_copy(path)  # opened only if a case fails
     summary = comparison.run_reduced_precision(session, names, cases, tol, kinds)
     if not summary["passed"]:
         results = [comparison.Comparison(**c) for c in summary["cases"]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from d2export.config import D2ExportConfig
 from d2export.verification import comparison
 
-VERIFY_KEYS = {"float16": "fp16", "int8": "int8"}  # a reduced precision → the prefix of its verify.* tolerances
+VERIFY_KEYS = {"float16": "fp16", "int8": "int8", "bfloat16": "bf16"}  # a reduced precision → the prefix of its verify.* tolerances
 
 
 def float32_tolerances(cfg: D2ExportConfig) -> comparison.Float32:
@@ -15,7 +15,7 @@ def float32_tolerances(cfg: D2ExportConfig) -> comparison.Float32:
 
 
 def reduced_tolerances(cfg: D2ExportConfig, precision: str = "float16") -> comparison.Reduced:
-    """What a float16 or int8 graph of this config is held to (`verify.fp16_*` or `verify.int8_*`,
+    """What a float16, int8 or bfloat16 graph of this config is held to (`verify.fp16_*`, `int8_*` or `bf16_*`,
     `verify.confident`, top-K)."""
     v, key = cfg.verify, VERIFY_KEYS[precision]
     tol = [getattr(v, f"{key}_{name}") for name in ("atol", "rtol", "pixel_atol", "pixel_rtol", "max_mismatch")]
