@@ -160,7 +160,7 @@ def test_segmentation_rows_carry_maps(tiny_export, corpus, tmp_path):
     from test_runtime_maps import decoded, segmentation_prediction
 
     from d2export.families import Family, get
-    from d2export.runtime.maps import read_png_map
+    from d2export.served_kinds.pixel_maps import read_ids as read_png_map
     from d2export.runtime.predictor import Predictor
 
     class Segmenter(Family):

@@ -12,7 +12,10 @@ import pytest
 from PIL import Image
 
 from d2export.instances import Instance, Prediction, Segment, encode_mask
-from d2export.runtime.maps import map_pngs, panoptic_png, prediction_json, read_png_map, semantic_png
+from d2export.runtime.maps import map_pngs, prediction_json
+from d2export.served_kinds.panoptic import panoptic_png
+from d2export.served_kinds.pixel_maps import read_ids as read_png_map
+from d2export.served_kinds.semantic import semantic_png
 
 NAMES = ["person", "car", "sky", "road", "grass"]
 
@@ -80,3 +83,16 @@ def test_prediction_json_carries_maps_and_leaves_others_alone():
     # a detector's or spotter's prediction: exactly to_dict(), no map keys
     plain = Prediction(10, 20, [Instance(0.5, 1, box=[1.0, 2.0, 3.0, 4.0])])
     assert prediction_json(plain) == plain.to_dict() and map_pngs(plain) == {}
+
+
+@pytest.mark.parametrize("old, new", [("semantic_png", semantic_png), ("panoptic_png", panoptic_png),
+                                      ("read_png_map", read_png_map)])
+def test_the_helpers_maps_once_held_import_with_a_deprecation_warning(old, new):
+    from d2export.runtime import maps
+
+    with pytest.warns(DeprecationWarning, match=f"maps.{old} is deprecated"):
+        assert getattr(maps, old) is new
+    with pytest.warns(DeprecationWarning, match="MAPS is deprecated"):
+        assert maps.MAPS == ("semantic", "panoptic")
+    with pytest.raises(AttributeError):
+        maps.no_such_name  # noqa: B018

@@ -177,6 +177,7 @@ PROBE = textwrap.dedent('''
 
     from d2export.instances import Instance, Prediction
     from d2export.runtime import batch, infer, maps
+    from d2export.served_kinds.pixel_maps import read_ids
 
     depth = (np.arange(6 * 9).reshape(6, 9) * 977 % 60000).astype(np.int32)
     inst = Instance(0.9, 1, box=[1.0, 2.0, 3.0, 4.0], text="ab", text_score=0.5, orientation=30.0)
@@ -187,11 +188,11 @@ PROBE = textwrap.dedent('''
     folder = Path(tempfile.mkdtemp())
     entries = infer.write_maps(p, folder, "pic")
     found["infer"] = {"has_maps": infer.has_maps(p), "entries": entries,
-                      "same": bool((maps.read_png_map(Path(entries["depth"]["png"]).read_bytes()) == depth).all())}
+                      "same": bool((read_ids(Path(entries["depth"]["png"]).read_bytes()) == depth).all())}
 
     served = json.loads(json.dumps(maps.prediction_json(p)))
     found["served"] = {"keys": sorted(served["depth"]),
-                       "same": bool((maps.read_png_map(base64.b64decode(served["depth"]["png_base64"])) == depth).all())}
+                       "same": bool((read_ids(base64.b64decode(served["depth"]["png_base64"])) == depth).all())}
 
     actor = batch.InferActor.__new__(batch.InferActor)
     actor.predictor = SimpleNamespace(predict_unpadded=lambda prepared: [p for _ in prepared])
@@ -200,7 +201,7 @@ PROBE = textwrap.dedent('''
             "height": np.array([6, -1]), "width": np.array([9, -1]), "error": np.array(["", "unreadable"], dtype=object)}
     table = actor(rows)
     found["batch"] = {"columns": table.schema.names, "type": str(table.schema.field("depth").type),
-                      "same": bool((maps.read_png_map(table.column("depth")[0].as_py()) == depth).all()),
+                      "same": bool((read_ids(table.column("depth")[0].as_py()) == depth).all()),
                       "error_row": table.column("depth")[1].as_py(),
                       "instances": json.loads(table.column("instances")[0].as_py())[0]["orientation"]}
 

@@ -9,15 +9,30 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+import importlib
+import warnings
+
 from d2export.instances import Prediction
 from d2export.served_kinds import kinds
-from d2export.served_kinds.panoptic import panoptic_png
-from d2export.served_kinds.pixel_maps import read_ids as read_png_map
-from d2export.served_kinds.semantic import semantic_png
 
-__all__ = ["MAPS", "map_pngs", "prediction_json", "read_png_map", "semantic_png", "panoptic_png"]
+__all__ = ["map_pngs", "prediction_json"]
 
-MAPS = tuple(k.name for k in kinds("picture") if k.png is not None)  # ("semantic", "panoptic")
+# names this module once held, now where each kind is declared: they import with a DeprecationWarning
+_MOVED = {"semantic_png": ("d2export.served_kinds.semantic", "semantic_png"),
+          "panoptic_png": ("d2export.served_kinds.panoptic", "panoptic_png"),
+          "read_png_map": ("d2export.served_kinds.pixel_maps", "read_ids")}
+
+
+def __getattr__(name: str):
+    if name == "MAPS":
+        warnings.warn("d2export.runtime.maps.MAPS is deprecated: the kinds with a PNG form are "
+                      "[k.name for k in d2export.served_kinds.kinds('picture') if k.png]", DeprecationWarning, 2)
+        return tuple(k.name for k in kinds("picture") if k.png is not None)
+    if name in _MOVED:
+        module, attr = _MOVED[name]
+        warnings.warn(f"d2export.runtime.maps.{name} is deprecated: use {module}.{attr}", DeprecationWarning, 2)
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def map_pngs(prediction: Prediction) -> dict[str, bytes]:
