@@ -100,6 +100,10 @@ class ExportConfig:
     int8: str = opt("", "write an int8 graph with onnxruntime's quantization: dynamic (MatMul/Gemm weights, "
                     "activations per run) | static (activations calibrated on export.calibration; the family's "
                     "operator types); what int8 breaks stays float (docs/precision.md); verified with verify.int8_*")
+    int8_recipe: str = opt("family", "what int8 keeps float: family (the family's float scopes: what int8's tensor "
+                           "verification holds) | heads (the decoding heads and MSDA's sampling only, convolutions "
+                           "quantised too: faster, its tensors move past int8's tolerances, so it is held to accuracy "
+                           "and needs verify.int8_accuracy)")
     bf16: bool = opt(False, "serve the float32 graph in bfloat16 through OpenVINO (manifest precision bfloat16, "
                      "runtime openvino), on CPUs with AVX512-BF16 or AMX-BF16; verified as served with verify.bf16_*; "
                      "export.sampler gather or grid_sample (OpenVINO cannot load the fused operator)")
@@ -142,6 +146,13 @@ class VerifyConfig:
     int8_pixel_rtol: float = opt(5e-3, "int8: relative tolerance of coordinates")
     int8_max_mismatch: float = opt(0.1, "int8: fraction of elements allowed outside the tolerance, in detections that "
                                    "are not confident (and ids that may tie in those that are)")
+    int8_accuracy: str = opt("", "labelled held-out pictures (a folder `d2export synth` wrote, or a registered "
+                             "dataset; never the calibration pictures) that judge an int8 graph by what it serves: "
+                             "the family's evaluator scores the float32 and the int8 graph through the runtime, and "
+                             "each headline metric (H-mean, AP, mIoU, PQ) may drop at most verify.int8_max_drop; the "
+                             "tensor comparison (verify.int8_*) is then recorded, not gating. Empty: tensors gate")
+    int8_max_drop: float = opt(1.0, "verify.int8_accuracy: points a headline metric may lose against the float32 "
+                               "graph's on the same pictures")
     bf16_atol: float = opt(0.05, "absolute tolerance for a graph served in bfloat16 (export.bf16): scores, "
                            "probabilities, logits")
     bf16_rtol: float = opt(0.05, "bfloat16: relative tolerance of scores, probabilities and logits")
@@ -246,6 +257,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
     if e.bf16:
         _bf16_servable(e, v.enabled)
     _one_of("export.fp16_fused", e.fp16_fused, FUSED_PRECISIONS)
+    _int8_judged(e, v)
     if e.int8 == "static" and not e.calibration:
         raise ConfigError("export.int8=static needs export.calibration: a folder of pictures (`d2export synth text "
                           "--out DIR`) or a registered dataset")
@@ -261,7 +273,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
     for key in ("atol", "rtol", "max_mismatch", "fp16_atol", "fp16_rtol", "fp16_pixel_atol", "fp16_pixel_rtol",
                 "fp16_max_mismatch", "int8_atol", "int8_rtol", "int8_pixel_atol", "int8_pixel_rtol",
                 "int8_max_mismatch", "bf16_atol", "bf16_rtol", "bf16_pixel_atol", "bf16_pixel_rtol",
-                "bf16_max_mismatch", "confident"):
+                "bf16_max_mismatch", "confident", "int8_max_drop"):
         if not getattr(v, key) >= 0:
             raise ConfigError(f"verify.{key}={getattr(v, key)}: must be 0 or more")
     if v.top_k < 1 or not 0 <= v.min_top_k_agreement <= 1:
@@ -271,6 +283,26 @@ def resolve(cfg: Any) -> D2ExportConfig:
 
     _one_of("model.family", obj.model.family, families.requestable())
     return obj
+
+
+def _int8_judged(e: ExportConfig, v: VerifyConfig) -> None:
+    """What int8 keeps float and what judges it, said up front: the heads recipe needs labelled pictures (its
+    tensors move past int8's tolerances by design), and the pictures that judge accuracy are not those it was
+    calibrated on."""
+    _one_of("export.int8_recipe", e.int8_recipe, ("family", "heads"))
+    if v.int8_accuracy and not e.int8:
+        raise ConfigError("verify.int8_accuracy judges an int8 graph: set export.int8 (dynamic or static)")
+    if e.int8 and e.int8_recipe == "heads" and v.enabled and not v.int8_accuracy:
+        raise ConfigError("export.int8_recipe=heads moves tensors past int8's tolerances and is held to accuracy "
+                          "instead: give verify.int8_accuracy=FOLDER (labelled held-out pictures, `d2export synth "
+                          "text --out FOLDER` makes some), or use export.int8_recipe=family")
+    if v.int8_accuracy and e.calibration and _same_place(v.int8_accuracy, e.calibration):
+        raise ConfigError(f"verify.int8_accuracy={v.int8_accuracy} is export.calibration: the pictures int8 was "
+                          "calibrated on cannot judge it; give held-out pictures")
+
+
+def _same_place(a: str, b: str) -> bool:
+    return a == b or Path(a).resolve() == Path(b).resolve()
 
 
 def _bf16_servable(e: ExportConfig, verifying: bool) -> None:

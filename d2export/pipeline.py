@@ -32,10 +32,9 @@ from d2export.exporting.onnx_export import ExportError, export_onnx, export_scop
 # ladder and reduced_tolerances live in verification/; d2export.pipeline keeps them for its callers (docs/ladder.md)
 from d2export.verification.cases import verification_cases, verification_sizes
 from d2export.verification.ladder import ladder  # noqa: F401
-from d2export.verification.subject import Subject
+from d2export.verification.subject import Subject, served_manifest
 from d2export.verification.tolerances import reduced_tolerances  # noqa: F401
-from d2export.manifest import Manifest, embed_manifest, graph_specs, manifest_path, sha256_file, staged
-from d2export.kernels import custom_ops
+from d2export.manifest import Manifest, embed_manifest, manifest_path, sha256_file, staged
 from d2export.stage_errors import stage
 from d2export.tracing import dummy_images, torch_inputs
 
@@ -258,24 +257,12 @@ def _export_by_route(built: Built, staged_model: Path, axes):
 
 def _manifest(built: Built, model: Path, name: str, exporter: str, report, lint, verification: dict,
               started: float) -> Manifest:
-    import onnx
-
     e = built.cfg.export
-    onnx_model = onnx.load(str(model), load_external_data=False)
-    graph = onnx_model.graph
-    opset = next(o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx"))
-    if opset != e.opset:  # torch.export has no translations below 18 and keeps 18 when conversion fails
-        log.warning("asked for opset %d, the exporter wrote opset %d", e.opset, opset)
-    manifest = Manifest(
-        model_file=name, family=built.family.name,
-        inputs=_documented(graph_specs(graph.input), built.family.input_docs),
-        outputs=_documented(graph_specs(graph.output), built.family.output_docs),
-        opset=opset, exporter=exporter, sampler=e.sampler, custom_ops=custom_ops.graph_ops(onnx_model),
-        precision="int8" if e.int8 else "float16" if e.fp16 else "bfloat16" if e.bf16 else "float32",
-        runtime="openvino" if e.bf16 else "onnxruntime",
-        preprocess=built.family.preprocess(built.d2cfg) | _min_input_size(lint) | _size_divisibility(built),
-        postprocess=built.family.postprocess(built.d2cfg) | built.charset
-        | ({"in_graph": True} if e.postprocess == "graph" else {}),
+    served = served_manifest(built, model, exporter)
+    if served.opset != e.opset:  # torch.export has no translations below 18 and keeps 18 when conversion fails
+        log.warning("asked for opset %d, the exporter wrote opset %d", e.opset, served.opset)
+    manifest = dataclasses.replace(
+        served, model_file=name, preprocess=served.preprocess | _min_input_size(lint),
         versions=_versions(), patches=[p for p in report.to_dict()["patches"] if p["status"] != "not-needed"],
         verification=verification | ({"lint": lint.to_dict()} if lint else {})
         | ({"sizes_chosen": built.size_choice} if built.size_choice else {}),
@@ -290,16 +277,6 @@ def _min_input_size(lint) -> dict:
     differently below (the runtime pads smaller pictures up to it, as detectron2 pads a batch)."""
     least = lint.serve_from if lint is not None else {}
     return {"min_input_size": [least.get("height", 0), least.get("width", 0)]} if least else {}
-
-
-def _size_divisibility(built: Built) -> dict:
-    """Where the model's own code runs only at multiples of a size (found at verification): the runtime pads each
-    picture's input up to them, as detectron2's ImageList pads to its size_divisibility."""
-    return {"size_divisibility": built.size_divisibility} if built.size_divisibility else {}
-
-
-def _documented(specs: list, docs: dict[str, str]) -> list:
-    return [dataclasses.replace(s, doc=s.doc or docs.get(s.name, "")) for s in specs]
 
 
 def _versions() -> dict:

@@ -8,7 +8,6 @@ Exit status 0 when it ran (whatever the metrics say), 2 on bad input.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import json
 import logging
 import os
@@ -17,66 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from d2export.evaluating.labelled_sets import EvaluateError, dataset_records, json_dataset, registered_dataset
+
 WORST = 5
-
-
-class EvaluateError(ValueError):
-    """Bad input, said in one line."""
-
-
-# the dataset ----------------------------------------------------------------------------------------------------
-def registered_dataset(name: str) -> str:
-    from detectron2.data import DatasetCatalog
-
-    if name in DatasetCatalog.list():
-        return name
-    folder = Path(name)
-    if (folder / "annotations.json").is_file():  # a folder `d2export synth` wrote
-        from d2export.datasets import register
-
-        dataset = f"d2export:{folder.resolve()}"
-        return dataset if dataset in DatasetCatalog.list() else register(dataset, folder)
-    known = sorted(DatasetCatalog.list())
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise EvaluateError(f"dataset {name!r} is neither registered nor a folder `d2export synth` wrote{hint} "
-                        f"(registered: {', '.join(known)}; --imports names the module that registers yours, "
-                        "or give --coco-json FILE --image-root DIR)")
-
-
-def json_dataset(json_file: str, image_root: str, name: str | None) -> str:
-    from detectron2.data import DatasetCatalog
-
-    from d2export.datasets.catalog import register_json
-
-    try:
-        with open(json_file) as f:
-            json.load(f)
-    except FileNotFoundError:
-        raise EvaluateError(f"--coco-json {json_file}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise EvaluateError(f"--coco-json {json_file}: not JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-    if not Path(image_root).is_dir():
-        raise EvaluateError(f"--image-root {image_root}: no such folder")
-    dataset = name or f"d2export:{Path(json_file).resolve()}"
-    return dataset if dataset in DatasetCatalog.list() else register_json(dataset, json_file, image_root)
-
-
-def dataset_records(name: str, max_images: int | None) -> list[dict]:
-    from detectron2.data import DatasetCatalog
-
-    try:
-        records = DatasetCatalog.get(name)
-    except Exception as e:  # noqa: BLE001 - the user's loader or a malformed COCO JSON: said in one line
-        raise EvaluateError(f"dataset {name!r} does not load: {type(e).__name__}: {e}") from None
-    records = records[:max_images] if max_images else records
-    if not records:
-        raise EvaluateError(f"dataset {name!r} has no pictures")
-    missing = [r["file_name"] for r in records if not Path(r["file_name"]).is_file()]
-    if missing:
-        raise EvaluateError(f"dataset {name!r} names {len(missing)} picture(s) that do not exist, e.g. "
-                            f"{', '.join(missing[:3])}")
-    return records
 
 
 # the models -----------------------------------------------------------------------------------------------------
@@ -225,7 +167,7 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
     import importlib
 
     from d2export import families
-    from d2export.evaluating.evaluators import build_evaluator, segmentation_tasks
+    from d2export.evaluating.evaluators import build_evaluator, evaluation_tasks
     from d2export.cpu import describe_cpu
     from d2export.evaluating.runs import onnx_run, pytorch_run
     from d2export.manifest import Manifest, manifest_path
@@ -273,13 +215,7 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
         family = built.family if built else families.get(manifests[0].family)
         kind = evaluator or family.evaluator
         outputs = set(built.adapter.output_names) if built else {t.name for m in manifests for t in m.outputs}
-        from detectron2.data import MetadataCatalog
-
-        if kind == "segmentation":  # what the dataset's ground truth allows
-            tasks = segmentation_tasks(name)
-        else:
-            tasks = ("bbox",) + (("segm",) if "masks" in outputs else ()) + (
-                ("keypoints",) if "keypoints" in outputs and MetadataCatalog.get(name).get("keypoint_names") else ())
+        tasks = evaluation_tasks(kind, name, outputs)
         ids = [r["image_id"] for r in records]
         d2cfg = built.d2cfg if built else None
 

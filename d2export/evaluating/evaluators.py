@@ -18,6 +18,10 @@ from d2export.evaluating.convert import to_prediction
 from d2export.evaluating.text_metrics import Counts, Word, count
 
 KINDS = ("coco", "text", "segmentation")
+# what a user receives, one figure each, by which accuracy is judged (verify.int8_accuracy): the text evaluator's
+# detection and end-to-end H-mean, COCO's AP of boxes, masks and keypoints, the semantic map's mIoU, panoptic PQ
+HEADLINE = ("text/det_hmean", "text/e2e_hmean", "bbox/AP", "segm/AP", "keypoints/AP", "sem_seg/mIoU",
+            "panoptic_seg/PQ")
 
 
 def ground_truth_words(record: dict, voc_size: int) -> list[Word]:
@@ -162,6 +166,18 @@ def segmentation_tasks(dataset_name: str) -> tuple[str, ...]:
                          "pan_seg_file_name or instance annotations); `d2export synth boxes --segmentation` writes a "
                          "set with all three")
     return tasks
+
+
+def evaluation_tasks(kind: str, dataset_name: str, outputs) -> tuple[str, ...]:
+    """What an evaluator of `kind` scores on a dataset for a model with these graph `outputs`: the segmentation
+    evaluator what the ground truth allows; the others boxes, with masks and keypoints where the model returns them
+    (keypoints where the dataset names its keypoints)."""
+    from detectron2.data import MetadataCatalog
+
+    if kind == "segmentation":
+        return segmentation_tasks(dataset_name)
+    return ("bbox",) + (("segm",) if "masks" in outputs else ()) + (
+        ("keypoints",) if "keypoints" in outputs and MetadataCatalog.get(dataset_name).get("keypoint_names") else ())
 
 
 class SegmentationEvaluator(DatasetEvaluator):

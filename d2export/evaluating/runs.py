@@ -134,11 +134,11 @@ def _Timed(model):
 
 
 def onnx_run(model_path: Path, records: Sequence[dict], make_evaluator: Callable[[dict], DatasetEvaluator],
-             providers: Sequence[str] = ("cpu",), threads: int = 0) -> Run:
+             providers: Sequence[str] = ("cpu",), threads: int = 0, verify_hash: bool = True) -> Run:
     from d2export.runtime.image_decoding import read_image
     from d2export.runtime.predictor import Predictor
 
-    predictor = Predictor(model_path, providers=providers, threads=threads)
+    predictor = Predictor(model_path, providers=providers, threads=threads, verify_hash=verify_hash)
     post = predictor.manifest.postprocess
     evaluator = make_evaluator(post)
     evaluator.reset()

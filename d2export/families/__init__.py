@@ -58,6 +58,9 @@ class Family:
     int8_float_scopes: tuple[str, ...] = ()
     # export.int8=static: the operator types quantised (dynamic takes MatMul and Gemm)
     int8_static_ops: tuple[str, ...] = ("Conv", "MatMul", "Gemm")
+    # export.int8_recipe=heads (int8 held to accuracy on labelled pictures, not to tensors): what stays float then,
+    # the decoding heads and MSDA's sampling; static quantises Conv, MatMul and Gemm. None: int8_float_scopes
+    int8_head_scopes: tuple[str, ...] | None = None
     # seeded random weights only (never a checkpoint): parameter-name fragment → factor, for heads whose random
     # initialisation is degenerate as no trained model is (every score saturated to 1.0, boxes thrown off the picture)
     seeded_scales: dict[str, float] = {}

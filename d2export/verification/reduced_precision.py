@@ -6,12 +6,11 @@ import logging
 from pathlib import Path
 
 from d2export import progress
-from d2export.verification import check_sessions, comparison, pinning
+from d2export.verification import check_sessions, comparison, held_out_accuracy, pinning
 from d2export.verification.failed_cases import _pin_selections
 from d2export.verification.pictures import picture_files
-from d2export.verification.subject import Subject
+from d2export.verification.subject import Subject, served_manifest
 from d2export.verification.tolerances import _reduced_settings, reduced_tolerances
-from d2export.manifest import Manifest, graph_specs
 
 log = logging.getLogger("d2export")
 
@@ -30,46 +29,62 @@ def convert_to_float16(subject: Subject) -> dict:
 
 
 def quantise_to_int8(subject: Subject) -> dict:
-    """The verified float32 graph → int8 in place (exporting/int8.py), verified with int8's own tolerances."""
+    """The verified float32 graph → int8 in place (exporting/int8.py), verified with int8's own tolerances; or, with
+    `verify.int8_accuracy`, held to the float32 graph's accuracy on those labelled pictures (held_out_accuracy.py),
+    the tensors' verification recorded beside it."""
     from d2export.cpu import cpu_features
     from d2export.exporting import int8
 
     built, path, e = subject.built, subject.path, subject.built.cfg.export
+    judged = bool(built.cfg.verify.int8_accuracy and subject.cases)
+    if judged:  # the pictures checked, and the float32 graph scored, before the long part
+        held = held_out_accuracy.held_out(subject)
+        progress.step(5, "scoring the float32 graph", f"{len(held.records)} labelled pictures of {held.dataset}")
+        reference = held_out_accuracy.served_run(subject, held, path, "float32")
     pictures = None
     if e.int8 == "static":
         files = picture_files(e.calibration, e.calibration_count)
         pictures = int8.Pictures(files, _picture_feeds(built, path, subject.exporter))
     how = (f"calibrating on {len(pictures)} pictures ({e.calibration_method})" if pictures
            else "weights int8, activations quantised per run")
-    progress.step(5, f"quantising to int8 ({e.int8})", how)
+    progress.step(5, f"quantising to int8 ({e.int8}, recipe {e.int8_recipe})", how)
+    scopes, static_ops = built.family.int8_float_scopes, built.family.int8_static_ops
+    if e.int8_recipe == "heads":  # held to accuracy: only what decodes points and picks proposals stays float
+        scopes = built.family.int8_head_scopes if built.family.int8_head_scopes is not None else scopes
+        static_ops = ("Conv", "MatMul", "Gemm")
     quantized = path.with_name(f".{path.name}.int8")
     try:
         with progress.busy("quantising"):
-            record = int8.quantize(path, quantized, e.int8, built.family.int8_float_scopes, cpu_features(),
-                                   pictures, e.calibration_method, built.family.int8_static_ops)
+            record = int8.quantize(path, quantized, e.int8, scopes, cpu_features(), pictures, e.calibration_method,
+                                   static_ops)
+        if judged:
+            progress.step(5, "scoring the int8 graph", f"{len(held.records)} labelled pictures of {held.dataset}")
+            accuracy = held_out_accuracy.judge(reference, held_out_accuracy.served_run(subject, held, quantized,
+                                                                                       "int8"),
+                                               built.cfg.verify.int8_max_drop, held)
         quantized.replace(path)
     finally:
         quantized.unlink(missing_ok=True)
     log.info("int8: %d node(s) quantised, %d kept float (%s); %s", record.quantized, len(record.kept_float),
-             ", ".join(built.family.int8_float_scopes) or "none", record.why_reduce_range)
-    summary = _verify_reduced(subject, "int8") if subject.cases else {"passed": None}
-    return summary | {"quantization": record.to_dict()}
+             ", ".join(scopes) or "none", record.why_reduce_range)
+    made = {"quantization": record.to_dict(), "recipe": e.int8_recipe}
+    if not subject.cases:
+        return {"passed": None} | made
+    if not judged:
+        return _verify_reduced(subject, "int8") | made
+    try:  # recorded: what users receive was judged above
+        tensors = _verify_reduced(subject, "int8")
+    except comparison.VerificationError as refusal:
+        tensors = {"passed": False, "refusal": str(refusal).splitlines()[0]}
+        log.info("int8 tensors past verify.int8_* (recorded; accuracy judges this graph): %s", tensors["refusal"])
+    return {"passed": True, "judged_by": "accuracy", "accuracy": accuracy, "tensors": tensors} | made
 
 
 def _picture_feeds(built, path: Path, exporter: str):
     """A picture (HWC RGB uint8) → the graph's inputs, as the runtime predictor makes them."""
-    import onnx
-
     from d2export.runtime.processing import Processing
 
-    e = built.cfg.export
-    graph = onnx.load(str(path), load_external_data=False).graph
-    preprocess = built.family.preprocess(built.d2cfg)
-    if getattr(built, "size_divisibility", 0):  # the model runs only at its multiples: padded as when served
-        preprocess["size_divisibility"] = built.size_divisibility
-    processing = Processing(Manifest(model_file=path.name, family=built.family.name, inputs=graph_specs(graph.input),
-                                     outputs=graph_specs(graph.output), opset=e.opset or 0, exporter=exporter,
-                                     preprocess=preprocess))
+    processing = Processing(served_manifest(built, path, exporter))
     return lambda picture: processing.feeds([processing.prepare(picture, "RGB")])
 
 

@@ -1,0 +1,101 @@
+"""An int8 graph held to the float32 graph's accuracy on labelled held-out pictures (`verify.int8_accuracy`): both are
+served through the runtime's Predictor, as users receive them, and scored by the family's evaluator (the one
+`d2export evaluate` uses); each headline metric may drop at most `verify.int8_max_drop` points. What users receive is
+judged here, not tensors: a graph whose scores move past int8's tolerances while its words, boxes and masks hold is
+served, and one that loses accuracy is refused, whatever its tensors say."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from d2export.evaluating.evaluators import HEADLINE, build_evaluator, evaluation_tasks
+from d2export.evaluating.labelled_sets import EvaluateError, dataset_records, registered_dataset
+from d2export.evaluating.runs import Run, onnx_run
+from d2export.manifest import manifest_path
+from d2export.verification.comparison import VerificationError
+from d2export.verification.subject import Subject
+
+log = logging.getLogger("d2export")
+
+
+class AccuracyError(VerificationError):
+    """The int8 graph serves less accurately than the float32 graph, or the pictures cannot tell."""
+
+
+@dataclass
+class HeldOut:
+    """The labelled pictures and how they are scored."""
+
+    dataset: str  # its name in detectron2's DatasetCatalog
+    records: list
+    evaluator: str  # the family's: text, coco or segmentation
+    tasks: tuple
+
+
+def held_out(subject: Subject) -> HeldOut:
+    """`verify.int8_accuracy`'s pictures, loaded and checked before anything is quantised."""
+    built, given = subject.built, subject.built.cfg.verify.int8_accuracy
+    try:
+        name = registered_dataset(given)
+        records = dataset_records(name, None)
+        tasks = evaluation_tasks(built.family.evaluator, name, set(built.adapter.output_names))
+    except (EvaluateError, ValueError) as e:
+        raise AccuracyError(f"verify.int8_accuracy={given}: {e}") from None
+    return HeldOut(name, records, built.family.evaluator, tasks)
+
+
+def served_run(subject: Subject, held: HeldOut, graph: Path, precision: str) -> Run:
+    """`graph` served as users receive it (the runtime's Predictor with the manifest it would be written with) over
+    the pictures, scored by the family's evaluator, on as many threads as the eager references."""
+    import torch
+
+    built = subject.built
+    with tempfile.TemporaryDirectory(prefix="d2export-accuracy-") as tmp:
+        model = Path(tmp) / "model.onnx"
+        try:
+            os.link(graph, model)  # the staged graph itself, not a copy
+        except OSError:
+            shutil.copyfile(graph, model)
+        subject.served_manifest(model, precision).write(manifest_path(model))
+
+        def make(post: dict):
+            return build_evaluator(held.evaluator, held.dataset, post, held.tasks, built.d2cfg, tmp,
+                                   [r["image_id"] for r in held.records])
+
+        with contextlib.redirect_stdout(sys.stderr):  # pycocotools prints its tables
+            run = onnx_run(model, held.records, make, built.cfg.verify.providers, torch.get_num_threads(),
+                           verify_hash=False)
+    run.name = precision
+    return run
+
+
+def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
+    """The record of `run`'s headline metrics against `reference`'s (the float32 graph's on the same pictures), or
+    AccuracyError where one dropped more than `max_drop` points, or where the pictures cannot tell a right graph
+    from a wrong one (no headline metric, or the float32 graph scoring nothing)."""
+    where = f"{held.dataset} ({len(held.records)} pictures)"
+    headline = [m for m in HEADLINE if m in reference.metrics]
+    if not headline:
+        raise AccuracyError(f"verify.int8_accuracy: the {held.evaluator} evaluator gave none of {', '.join(HEADLINE)} "
+                            f"on {where}: give pictures labelled for this model")
+    if not any(reference.metrics[m] > 0 for m in headline):
+        raise AccuracyError(f"verify.int8_accuracy: the float32 graph scores 0 on {where} "
+                            f"({', '.join(headline)}): those pictures cannot tell a right int8 graph from a wrong one")
+    rows = {m: {"float32": reference.metrics[m], run.precision: run.metrics.get(m, float("nan")),
+                "drop": reference.metrics[m] - run.metrics.get(m, float("nan"))} for m in headline}
+    lost = [m for m, r in rows.items() if not r["drop"] <= max_drop]  # NaN: lost too
+    table = "\n".join(f"  {m:<16} float32 {r['float32']:6.2f}  {run.precision} {r[run.precision]:6.2f}  "
+                      f"{-r['drop']:+6.2f}{'  past verify.int8_max_drop' if m in lost else ''}" for m, r in rows.items())
+    if lost:
+        raise AccuracyError(f"the {run.precision} graph serves less accurately than the float32 graph on {where}: "
+                            f"{', '.join(lost)} dropped more than verify.int8_max_drop={max_drop:g} point(s)\n{table}")
+    log.info("%s held to accuracy on %s (at most %g point(s) lost):\n%s", run.precision, where, max_drop, table)
+    return {"passed": True, "dataset": held.dataset, "pictures": len(held.records), "evaluator": held.evaluator,
+            "max_drop": max_drop, "metrics": rows}
+
