@@ -180,3 +180,29 @@ def test_a_folder_that_is_no_labelled_set_is_said_in_one_line(tmp_path):
         export("textdet_micro", tmp_path, "export.int8=dynamic", f"verify.int8_accuracy={tmp_path / 'nowhere'}",
                "verify.batch=false", "export.lint=false")
     assert not list(tmp_path.glob("*.onnx"))
+
+
+def test_the_heads_recipe_quantises_the_encoder_the_text_branch_and_the_convolutions_not_the_heads(text_pictures,
+                                                                                                 tmp_path):
+    """What export.int8_recipe=heads writes (verification off here: the judgement is the tests above'; what it
+    costs on held-out pictures is docs/precision.md's): convolutions, the encoder's and the text branch's MatMuls
+    take int8 weights; nothing in a head scope does."""
+    import onnx
+
+    from d2export.exporting import int8
+    from d2export.families import get
+
+    manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={text_pictures}",
+                      "export.calibration_count=4", "export.int8_recipe=heads", "verify.enabled=false",
+                      "export.lint=false")
+    graph = onnx.load(str(tmp_path / manifest.model_file)).graph
+    nodes, stored = graph.node, {t.name for t in graph.initializer}
+    weights = {n.output[0] for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in stored}
+    on_int8 = [n.name for n in nodes if n.op_type in ("Conv", "MatMul", "Gemm") and len(n.input) > 1
+               and n.input[1] in weights]
+    heads = get("testr").int8_head_scopes
+    assert any(n.startswith("/backbone") or "/backbone/" in n for n in on_int8 if "Conv" in n)
+    assert any("/encoder/" in n for n in on_int8) and any("_text/" in n for n in on_int8)
+    assert not [n for n in on_int8 if int8.in_scope(n, heads)]
+    record = manifest.verification["int8"]
+    assert record["recipe"] == "heads" and record["quantization"]["op_types"] == ["Conv", "MatMul", "Gemm"]
