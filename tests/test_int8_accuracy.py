@@ -206,3 +206,16 @@ def test_the_heads_recipe_quantises_the_encoder_the_text_branch_and_the_convolut
     assert not [n for n in on_int8 if int8.in_scope(n, heads)]
     record = manifest.verification["int8"]
     assert record["recipe"] == "heads" and record["quantization"]["op_types"] == ["Conv", "MatMul", "Gemm"]
+
+
+def test_a_segmenter_is_judged_by_the_segmentation_evaluator_and_a_set_of_other_classes_is_said(tmp_path):
+    """Mask2Former (COCO's 133 classes) given `d2export synth boxes --segmentation` pictures (7 classes of their own):
+    the segmentation evaluator's refusal, in one line, before anything is quantised or written."""
+    from d2export.datasets import generate
+
+    held = generate("boxes", tmp_path / "held", count=2, seed=19, size=(128, 160), workers=1, segmentation=True)
+    with pytest.raises(held_out_accuracy.AccuracyError,
+                       match=r"verify.int8_accuracy=.*scores 133 classes per pixel, but dataset .* has 7"):
+        export("mask2former_tiny", tmp_path / "out", "export.int8=dynamic", f"verify.int8_accuracy={held}",
+               "verify.batch=false", "export.lint=false")
+    assert not list((tmp_path / "out").glob("*.onnx"))

@@ -332,18 +332,21 @@ def main(argv=None) -> int:
     optimizer = torch.optim.AdamW(param_groups(model, args.lr, args.weight_decay), lr=args.lr)
 
     last = out / "last.pth"
-    step, seconds, curve = 0, 0.0, []
+    step, seconds, curve, commands = 0, 0.0, [], []
     if last.is_file():
         state = torch.load(last, map_location="cpu", weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        step, seconds, curve = state["step"], state["seconds"], state["curve"]
+        step, seconds, curve, commands = state["step"], state["seconds"], state["curve"], state.get("commands", [])
         print(f"resumed from {last}: step {step}, {seconds / 60:.1f} minutes trained")
+
+    command = "python training/train_segmenter_fixture.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    commands.append(command)  # every run of this --out, resumed ones after the first
 
     def save():
         tmp = last.with_suffix(".tmp")
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                    "seconds": seconds, "curve": curve, "args": vars(args)}, tmp)
+                    "seconds": seconds, "curve": curve, "commands": commands, "args": vars(args)}, tmp)
         tmp.replace(last)
 
     def progress():
@@ -412,7 +415,7 @@ def main(argv=None) -> int:
                      **headline(results), "results": results},
         "seeds_note": "synth boxes --segmentation seeds 30 (train) and 31 (held out): seeds of this fixture's own",
         "curve": curve, "machine": machine(),
-        "command": "python training/train_segmenter_fixture.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command, "commands": commands,
         "sha256": hashlib.sha256(fixture.read_bytes()).hexdigest(), "bytes": fixture.stat().st_size}
     fixture.with_suffix(".json").write_text(json.dumps(record, indent=2, default=float) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k not in ("curve",)}, indent=2, default=float))

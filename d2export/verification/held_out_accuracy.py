@@ -68,9 +68,12 @@ def served_run(subject: Subject, held: HeldOut, graph: Path, precision: str) -> 
             return build_evaluator(held.evaluator, held.dataset, post, held.tasks, built.d2cfg, tmp,
                                    [r["image_id"] for r in held.records])
 
-        with contextlib.redirect_stdout(sys.stderr):  # pycocotools prints its tables
-            run = onnx_run(model, held.records, make, built.cfg.verify.providers, torch.get_num_threads(),
-                           verify_hash=False)
+        try:
+            with contextlib.redirect_stdout(sys.stderr):  # pycocotools prints its tables
+                run = onnx_run(model, held.records, make, built.cfg.verify.providers, torch.get_num_threads(),
+                               verify_hash=False)
+        except ValueError as e:  # the evaluator's word on pictures that do not fit the model (its classes)
+            raise AccuracyError(f"verify.int8_accuracy={built.cfg.verify.int8_accuracy}: {e}") from None
     run.name = precision
     return run
 
