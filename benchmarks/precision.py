@@ -1,7 +1,7 @@
 """Served latency per precision, side by side: eager PyTorch, the float32 graph, int8 and bfloat16.
 
     .venv/bin/python tools/benchmark.py precision [--models micro r50 panoptic instance semantic] [--size 640]
-        [--threads 2] [--rounds 3] [--precisions fp32 int8 bf16] [--pictures 4] [--out DIR]
+        [--threads 2] [--rounds 3] [--precisions fp32 int8 int8-heads bf16] [--pictures 4] [--out DIR]
 
 One run, one machine. Per model (micro: the trained micro spotter, `textdet_micro`, read at its own 480; r50: the
 R-50 TESTR-size spotter, `textdet`, seeded weights, read at --size; panoptic / instance / semantic: Mask2Former R-50
@@ -11,6 +11,8 @@ on the stand-in's full-size configs, seeded weights conditioned as the family sa
 - fp32: the fused sampler (the fastest float32 graph on the CPU), served by onnxruntime;
 - int8: `export.int8=static` of that graph, calibrated on 8 synthetic pictures of a seed of its own
   (`d2export synth`: text for the spotters, boxes for the segmenters) at --size;
+- int8-heads: the same with `export.int8_recipe=heads` (only the decoding heads float, convolutions int8: the
+  recipe `verify.int8_accuracy` holds to accuracy on labelled pictures);
 - bf16: `export.bf16=true` (the gather graph served by OpenVINO in bfloat16), where the CPU has AVX512-BF16 or AMX.
 Then the runtime's Predictor (graph and served post-processing) of each and the model's own forward (list[dict] in,
 its post-processing, MSDA on the plugin's pure-PyTorch core) are timed in interleaved rounds at --size², batch 1, the
@@ -38,6 +40,9 @@ MODELS = {"micro": ("textdet_micro", "text"), "r50": ("textdet", "text"), "panop
           "instance": ("mask2former", "boxes"), "semantic": ("mask2former", "boxes")}
 PRECISIONS = {"fp32": ["export.sampler=fused"],
               "int8": ["export.sampler=fused", "export.int8=static", "export.calibration_count=8"],
+              # only the decoding heads float, convolutions int8: what verify.int8_accuracy holds to accuracy
+              "int8-heads": ["export.sampler=fused", "export.int8=static", "export.int8_recipe=heads",
+                             "export.calibration_count=8"],
               "bf16": ["export.sampler=gather", "export.bf16=true"]}
 CALIBRATION_SEED, HELD_OUT_SEED, TIMED_SEED = 4101, 4102, 4103  # seeds of this benchmark's own
 

@@ -148,7 +148,6 @@ class Pictures:
 def pair_costs(logits, masks, labels, targets):
     """Hungarian costs [Q, T] of one picture: class (-probability of the target's class), mask BCE (mean over
     pixels) and dice, between the queries' mask logits [Q, P] and the targets' masks [T, P] (soft, in [0, 1])."""
-    import torch
     import torch.nn.functional as F
 
     cost_class = -logits.softmax(-1)[:, labels]

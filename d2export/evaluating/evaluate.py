@@ -101,6 +101,8 @@ def write_vis(folder: Path, reference, run, comparison: dict) -> list[Path]:
 
 PRECISIONS = {"fp32": [], "fp16": ["export.fp16=true"], "int8": ["export.int8=dynamic"],
               "int8-static": ["export.int8=static"],  # needs export.calibration=FOLDER among the overrides
+              # needs export.calibration=FOLDER and verify.int8_accuracy=FOLDER (other pictures) among the overrides
+              "int8-heads": ["export.int8=static", "export.int8_recipe=heads"],
               "bf16": ["export.bf16=true", "export.sampler=gather"]}  # OpenVINO, where the CPU has bfloat16
 # the first of these every run reports is drawn
 PLOTTED = ("bbox/AP", "text/e2e_hmean", "text/det_hmean", "panoptic_seg/PQ", "sem_seg/mIoU", "segm/AP")
@@ -162,8 +164,8 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
              providers: Sequence[str] = ("cpu",), vis: str | None = None, json_path: str | None = None,
              precisions: Sequence[str] = (), threads: int = 0, plot_path: str | None = None) -> dict:
     """Everything `d2export evaluate` does; returns the report (also written to `json_path`). `precisions`: also
-    export --config at each (fp32, fp16, int8, int8-static) and evaluate those; `threads`: CPU threads for every run
-    (0: torch's count)."""
+    export --config at each (PRECISIONS) and evaluate those; `threads`: CPU threads for every run (0: torch's
+    count)."""
     import importlib
 
     from d2export import families
@@ -277,7 +279,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                     "differing pictures there (default: none)")
     ap.add_argument("--precision", default="", help="with --config: also export it at each of these precisions "
                     "and evaluate them, comma-separated: fp32, fp16, int8 (dynamic), int8-static (give "
-                    "export.calibration=FOLDER), bf16 (OpenVINO, on a CPU with AVX512-BF16 or AMX) (default: none)")
+                    "export.calibration=FOLDER), int8-heads (int8-static with export.int8_recipe=heads: give "
+                    "verify.int8_accuracy=FOLDER too), bf16 (OpenVINO, on a CPU with AVX512-BF16 or AMX) (default: none)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads of every run, PyTorch and onnxruntime "
                     "alike (default: 0, torch's count)")
     ap.add_argument("--plot", default=None, metavar="FILE", help="draw accuracy against latency there (default: "
