@@ -403,8 +403,8 @@ def main(argv=None) -> int:
     tmp.replace(fixture)
     record = {
         "config": str(CONFIG.relative_to(REPO)), "overrides": export_opts(cfg) + list(args.overrides),
-        "export": "python tools/export.py --config mask2former_tiny model.weights=" + str(fixture) +
-                  " 'model.opts=[" + ",".join(str(v) for v in export_opts(cfg) + list(args.overrides)) + "]'",
+        # configs/mask2former_fixture.yaml holds export_opts (and the synthetic sets' classes)
+        "export": f"python tools/export.py --config mask2former_fixture model.weights={fixture}",
         "classes": [c["name"] for c in PANOPTIC_CATEGORIES],
         "steps": step, "minutes": round(seconds / 60, 1), "batch": args.batch, "lr": args.lr,
         "weight_decay": args.weight_decay, "decay_at": args.decay_at, "seed": args.seed, "precision": "float32",
