@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from d2export import progress
-from d2export.verification import check_sessions, comparison, held_out_accuracy, pinning
+from d2export.verification import check_sessions, comparison, pinning
 from d2export.verification.failed_cases import _pin_selections
 from d2export.verification.pictures import picture_files
 from d2export.verification.subject import Subject, served_manifest
@@ -38,6 +38,8 @@ def quantise_to_int8(subject: Subject) -> dict:
     built, path, e = subject.built, subject.path, subject.built.cfg.export
     judged = bool(built.cfg.verify.int8_accuracy and subject.cases)
     if judged:  # the pictures checked, and the float32 graph scored, before the long part
+        from d2export.verification import held_out_accuracy  # detectron2's evaluation, imported when asked for
+
         held = held_out_accuracy.held_out(subject)
         progress.step(5, "scoring the float32 graph", f"{len(held.records)} labelled pictures of {held.dataset}")
         reference = held_out_accuracy.served_run(subject, held, path, "float32")
