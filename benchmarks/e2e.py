@@ -124,9 +124,14 @@ def open_session(path: Path, threads: int, profile_prefix: str | None = None, ca
 
 # --- timing ---------------------------------------------------------------------------------------------------
 def interleaved(runners: dict, rounds: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each runner, timed in interleaved rounds after `warmup` calls each. Every other
-    round runs them in reverse order: on 2 cores the second of two equal graphs measured 2-4% slower in every round
-    (whatever ran before it leaves the caches its own), enough to invert a small difference."""
+    """Median seconds per call of each runner (see `interleaved_rounds`)."""
+    return {name: statistics.median(t) for name, t in interleaved_rounds(runners, rounds, warmup).items()}
+
+
+def interleaved_rounds(runners: dict, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Seconds of each call of each runner, round by round, after `warmup` calls each. Every other round runs them in
+    reverse order: on 2 cores the second of two equal graphs measured 2-4% slower in every round (whatever ran before
+    it leaves the caches its own), enough to invert a small difference."""
     for run in runners.values():
         for _ in range(warmup):
             run()
@@ -136,7 +141,14 @@ def interleaved(runners: dict, rounds: int, warmup: int = 2) -> dict[str, float]
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def paired_ratio(times: dict[str, list[float]], over: str, under: str) -> tuple[float, float, float]:
+    """times[over] / times[under] round by round: the median and the range. A shared machine's speed drifts by 20%
+    within a minute; runs of one round share its speed, so their ratio holds where the two medians need not."""
+    ratios = [a / b for a, b in zip(times[over], times[under])]
+    return statistics.median(ratios), min(ratios), max(ratios)
 
 
 # --- parity ---------------------------------------------------------------------------------------------------

@@ -25,13 +25,14 @@ say nothing of a trained model's accuracy; the trained micro spotter's H-mean an
 from __future__ import annotations
 
 import collections
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.e2e import interleaved
+from benchmarks.e2e import interleaved_rounds, paired_ratio
 from benchmarks.segmentation import CONFIGS as SEGMENTATION_CONFIGS, _overrides as segmentation_overrides
 from d2export.argparsing import parser
 
@@ -173,10 +174,15 @@ def measure(model: str, precisions: list[str], size: int, threads: int, rounds: 
             built.model(inputs)
 
     runners = {"eager": eager} | {p: (lambda pr=pr: pr.predict(timed)) for p, pr in predictors.items()}
-    ms = {k: 1000 * t for k, t in interleaved(runners, rounds, warmup=1).items()}
+    times = interleaved_rounds(runners, rounds, warmup=1)
     served = {p: [pr.predict(picture) for picture in held_out] for p, pr in predictors.items()}
     reference = served.get("fp32")
-    return {"ms": ms, "agreement": {p: agreement(reference, s) for p, s in served.items()} if reference else {}}
+    return {"times": times, "agreement": {p: agreement(reference, s) for p, s in served.items()} if reference else {}}
+
+
+def _ratio(times: dict, over: str, under: str) -> str:
+    median, low, high = paired_ratio(times, over, under)
+    return f"{median:5.2f}x ({low:.2f}-{high:.2f})"
 
 
 def _with_config(built, cfg):
@@ -213,15 +219,16 @@ def main(argv=None) -> int:
         print(f"bf16: not measured: {refusal}")
     holder = None if args.out else tempfile.TemporaryDirectory(prefix="d2export_precision_")
     out = Path(args.out or holder.name)
-    print(f"\n{'model':10s} {'precision':10s} {'ms':>8s} {'x float32':>10s} {'x eager':>8s}   served vs float32's")
+    print("ratios: the median of the rounds' own ratios (the range across rounds in brackets)")
+    print(f"\n{'model':10s} {'precision':10s} {'ms':>8s} {'x float32':>19s} {'x eager':>19s}   served vs float32's")
     for model in args.models:
         result = measure(model, precisions, args.size, args.threads, args.rounds, args.pictures, out)
-        ms, eager = result["ms"], result["ms"]["eager"]
-        fp32 = ms.get("fp32")
-        for name, value in ms.items():
-            vs32 = f"{fp32 / value:9.2f}x" if fp32 else f"{'-':>10s}"
+        times = result["times"]
+        for name, seconds in times.items():
+            vs32 = _ratio(times, "fp32", name) if "fp32" in times else f"{'-':>19s}"
             said = ", ".join(f"{k} {v:.1f}" for k, v in result["agreement"].get(name, {}).items())
-            print(f"{model:10s} {name:10s} {value:8.0f} {vs32} {eager / value:7.2f}x   {said}", flush=True)
+            print(f"{model:10s} {name:10s} {1000 * statistics.median(seconds):8.0f} {vs32} "
+                  f"{_ratio(times, 'eager', name)}   {said}", flush=True)
     return 0
 
 

@@ -210,6 +210,36 @@ def test_differences_are_found_and_ranked():
     assert [w["picture"] for w in c["worst"]] == ["p2.jpg", "p0.jpg"]  # a count difference first
 
 
+def _square(top: int, left: int, side: int = 20) -> dict:
+    mask = np.zeros((100, 120), bool)
+    mask[top:top + side, left:left + side] = True
+    return encode_mask(mask)
+
+
+def test_near_tied_detections_in_another_order_are_the_same_but_a_change_is_still_found():
+    """Two runs may order near-tied scores either way: detections are paired by what they are, not by rank."""
+    first, second = Instance(0.5001, 1, mask=_square(10, 10)), Instance(0.5000, 2, mask=_square(50, 70))
+    a = Prediction(100, 120, [first, second])
+    swapped = Prediction(100, 120, [Instance(0.5001, 2, mask=_square(50, 70)), Instance(0.5000, 1, mask=_square(10, 10))])
+    assert difference(a, swapped) is None
+    # the same two masks with their classes exchanged: a wrong graph, whichever order it serves them in (each class
+    # meets its own, whose mask is elsewhere)
+    relabelled = Prediction(100, 120, [Instance(0.5001, 2, mask=_square(10, 10)), Instance(0.5, 1, mask=_square(50, 70))])
+    assert difference(a, relabelled)[1] == "masks differ in 200.0% of their area"
+    assert difference(a, Prediction(100, 120, [Instance(0.5001, 1, mask=_square(10, 10)),
+                                               Instance(0.5, 3, mask=_square(50, 70))]))[1] == "class 2 vs 3"
+    # one mask moved by 4 px, in the other order: still found, against its own counterpart
+    moved = Prediction(100, 120, [Instance(0.5001, 2, mask=_square(50, 70)), Instance(0.5, 1, mask=_square(14, 10))])
+    assert difference(a, moved)[1] == "masks differ in 40.0% of their area"
+    # the same class twice: told apart by where they are (boxes, then points, where there are no masks)
+    boxes = [Instance(0.5001, 1, box=[10, 10, 30, 30]), Instance(0.5, 1, box=[70, 50, 90, 70])]
+    assert difference(Prediction(100, 120, boxes), Prediction(100, 120, boxes[::-1])) is None
+    words = [text_prediction().instances[0], text_prediction(40.0, text="World").instances[0]]
+    assert difference(Prediction(100, 120, words), Prediction(100, 120, words[::-1])) is None
+    misread = [words[1], Instance(0.75, 0, polygon=words[0].polygon, text="Hellp")]
+    assert difference(Prediction(100, 120, words), Prediction(100, 120, misread))[1] == "text 'Hello' vs 'Hellp'"
+
+
 def test_vis_shows_reference_and_model_side_by_side(tmp_path):
     from PIL import Image
 
