@@ -433,16 +433,17 @@ def main(argv=None):
     runners.update({name: (lambda s=s: s.run(output_names, feed)) for name, s in sessions.items()})
     reference = eager()
     parities = {name: parity(output_names, reference, s.run(output_names, feed)) for name, s in sessions.items()}
-    medians = interleaved(runners, args.rounds)
+    times = interleaved_rounds(runners, args.rounds)
+    medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians[EAGER]
-    print(f"\n## latency, {args.size}x{args.size}, batch 1 (median of {args.rounds} interleaved rounds, warm; "
-          f"load average now {os.getloadavg()[0]:.1f})")
+    print(f"\n## latency, {args.size}x{args.size}, batch 1 (median of {args.rounds} interleaved rounds, warm; speed-up: "
+          f"the median of each round's own ratio; load average now {os.getloadavg()[0]:.1f})")
     print(f"{'runner':40s} {'ms':>8s} {'speed-up':>9s}   parity vs eager (max abs; char ids agreeing)")
     for name, sec in medians.items():
         par = parities.get(name)
         par_s = "" if par is None else (f"scores {par['scores']:.1e}, points {par['ctrl_points']:.1e} px, "
                                          f"chars {par['char_ids_agree']:.3f}")
-        print(f"{name:40s} {1e3 * sec:8.0f} {base / sec:8.2f}x   {par_s}")
+        print(f"{name:40s} {1e3 * sec:8.0f} {paired_ratio(times, EAGER, name)[0]:8.2f}x   {par_s}")
     macs, rate = model_macs(built.adapter, torch_args), dense_rate(args.threads)
     floor = macs / rate
     print(f"\n## compute floor at {args.size}x{args.size}: {macs / 1e9:.1f} G multiply-adds per image (matrix "

@@ -18,19 +18,21 @@ Without --clone, the stand-in of third_party/mask2former (its full-size configs)
    outputs against the model's own results from the same forward (equal, or the largest difference);
 4. latency at --size², batch 1, interleaved rounds, medians: eager PyTorch (the model as detectron2's DefaultPredictor
    runs it: the config's test resize, post-processing to the original size) against the runtime's Predictor (graph +
-   served post-processing) per sampler, the served time split into graph and post-processing; ratios. Each of --size
-   by each of --batches; `--device cuda`: eager on the GPU against the CUDA provider (benchmarks/gpu_session.sh).
+   served post-processing) per sampler, the served time split into graph and post-processing; ratios (each the
+   median of the rounds' own ratios). Each of --size by each of --batches; `--device cuda`: eager on the GPU
+   against the CUDA provider (benchmarks/gpu_session.sh).
 """
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.e2e import interleaved
+from benchmarks.e2e import interleaved_rounds, paired_ratio
 from d2export.argparsing import parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,8 +157,9 @@ def postprocessing(model, post, sizes, seed) -> dict:
     return row
 
 
-def latency(model, predictors: dict, size: int, rounds: int, batch: int = 1, device: str = "cpu") -> dict[str, float]:
-    """Medians of interleaved rounds, `batch` pictures of size² a call: the eager model as detectron2's
+def latency(model, predictors: dict, size: int, rounds: int, batch: int = 1,
+            device: str = "cpu") -> dict[str, list[float]]:
+    """Seconds of each call in interleaved rounds (`interleaved_rounds`), `batch` pictures of size² a call: the eager model as detectron2's
     DefaultPredictor runs it (the pictures resized as the config's test size says, the original size asked back)
     against each Predictor, and the served time split into the graph and the post-processing. On CUDA each eager call
     ends with a synchronize (the served one ends on the host)."""
@@ -180,7 +183,7 @@ def latency(model, predictors: dict, size: int, rounds: int, batch: int = 1, dev
     runners["  of which the post-processing"] = lambda: [first.postprocess(outputs, i, p) for i, p in
                                                          enumerate(prepared)]
     with torch.no_grad():
-        return {k: 1000 * t for k, t in interleaved(runners, rounds, warmup=1).items()}
+        return interleaved_rounds(runners, rounds, warmup=1)
 
 
 def compute_floor(adapter, predictor, size: int, threads: int) -> tuple[float, float]:
@@ -256,11 +259,13 @@ def main(argv=None) -> int:
         for size in args.size:
             for batch in args.batches:
                 case = f"{size}², batch {batch}"
-                ms = latency(built.model, predictors, size, args.rounds, batch, args.device)
-                eager = next(iter(ms.values()))
-                for name, t in ms.items():
-                    print(f"  {task} {case}: {name:58s} {t:8.0f} ms" + ("" if name.startswith(" ") else
-                                                                         f"  {eager / t:5.2f}x"))
+                times = latency(built.model, predictors, size, args.rounds, batch, args.device)
+                ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+                first = next(iter(times))
+                eager = ms[first]
+                for name, t in ms.items():  # the speed-up: the median of each round's own ratio
+                    speedup = "" if name.startswith(" ") else f"  {paired_ratio(times, first, name)[0]:5.2f}x"
+                    print(f"  {task} {case}: {name:58s} {t:8.0f} ms{speedup}")
                 report["tasks"][task]["latency_ms"][case] = ms
                 if args.device == "cpu" and batch == 1:
                     macs, floor = compute_floor(built.adapter, first, size, args.threads)
