@@ -436,8 +436,8 @@ def main(argv=None):
     times = interleaved_rounds(runners, args.rounds)
     medians = {name: statistics.median(t) for name, t in times.items()}
     base = medians[EAGER]
-    print(f"\n## latency, {args.size}x{args.size}, batch 1 (median of {args.rounds} interleaved rounds, warm; speed-up: "
-          f"the median of each round's own ratio; load average now {os.getloadavg()[0]:.1f})")
+    print(f"\n## latency, {args.size}x{args.size}, batch 1 (median of {args.rounds} interleaved rounds, warm; "
+          f"speed-up: the median of each round's own ratio; load average now {os.getloadavg()[0]:.1f})")
     print(f"{'runner':40s} {'ms':>8s} {'speed-up':>9s}   parity vs eager (max abs; char ids agreeing)")
     for name, sec in medians.items():
         par = parities.get(name)

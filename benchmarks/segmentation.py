@@ -159,10 +159,10 @@ def postprocessing(model, post, sizes, seed) -> dict:
 
 def latency(model, predictors: dict, size: int, rounds: int, batch: int = 1,
             device: str = "cpu") -> dict[str, list[float]]:
-    """Seconds of each call in interleaved rounds (`interleaved_rounds`), `batch` pictures of size² a call: the eager model as detectron2's
-    DefaultPredictor runs it (the pictures resized as the config's test size says, the original size asked back)
-    against each Predictor, and the served time split into the graph and the post-processing. On CUDA each eager call
-    ends with a synchronize (the served one ends on the host)."""
+    """Seconds of each call in interleaved rounds (`interleaved_rounds`), `batch` pictures of size² a call: the eager
+    model as detectron2's DefaultPredictor runs it (the pictures resized as the config's test size says, the original
+    size asked back) against each Predictor, and the served time split into the graph and the post-processing. On
+    CUDA each eager call ends with a synchronize (the served one ends on the host)."""
     import torch
 
     hwcs = [np.ascontiguousarray(im.transpose(1, 2, 0)) for im in _images([(size, size)] * batch, 11)]

@@ -125,6 +125,16 @@ def encode_mask(mask: np.ndarray) -> dict[str, Any]:
     return {"size": [int(s) for s in rle["size"]], "counts": rle["counts"].decode("ascii")}
 
 
+def coco_rle(rle: dict[str, Any]) -> dict[str, Any]:
+    """Either form `encode_mask` writes as pycocotools' own RLE (needs pycocotools)."""
+    from pycocotools import mask as coco_mask
+
+    h, w = rle["size"]
+    if isinstance(rle["counts"], str):
+        return {"size": [h, w], "counts": rle["counts"].encode("ascii")}
+    return coco_mask.frPyObjects({"size": [h, w], "counts": rle["counts"]}, h, w)
+
+
 def decode_mask(rle: dict[str, Any]) -> np.ndarray:
     """COCO RLE (either form `encode_mask` writes) → HxW bool."""
     h, w = rle["size"]
@@ -132,6 +142,6 @@ def decode_mask(rle: dict[str, Any]) -> np.ndarray:
     if isinstance(counts, str):
         from pycocotools import mask as coco_mask
 
-        return coco_mask.decode({"size": [h, w], "counts": counts.encode("ascii")}).astype(bool)
+        return coco_mask.decode(coco_rle(rle)).astype(bool)
     values = np.repeat(np.arange(len(counts)) % 2, counts).astype(bool)
     return values.reshape(w, h).T

@@ -230,25 +230,17 @@ def _overlap(a: Sequence[Instance], b: Sequence[Instance]) -> np.ndarray:
     if all(i.mask for i in (*a, *b)):
         from pycocotools import mask as coco_mask
 
-        return np.asarray(coco_mask.iou([_coco_rle(i.mask) for i in a], [_coco_rle(i.mask) for i in b],
+        from d2export.instances import coco_rle
+
+        return np.asarray(coco_mask.iou([coco_rle(i.mask) for i in a], [coco_rle(i.mask) for i in b],
                                         [0] * len(b)), float).reshape(len(a), len(b))
     if all(i.box is not None for i in (*a, *b)):
-        p, q = np.asarray([i.box for i in a], float), np.asarray([i.box for i in b], float)
-        lo, hi = np.maximum(p[:, None, :2], q[None, :, :2]), np.minimum(p[:, None, 2:], q[None, :, 2:])
-        inter = np.clip(hi - lo, 0, None).prod(-1)
-        area = lambda r: np.clip(r[:, 2:] - r[:, :2], 0, None).prod(-1)  # noqa: E731
-        return inter / np.maximum(area(p)[:, None] + area(q)[None, :] - inter, 1e-9)
+        import torch
+        from detectron2.structures import Boxes, pairwise_iou
+
+        boxes = lambda xs: Boxes(torch.tensor([i.box for i in xs], dtype=torch.float64))  # noqa: E731
+        return pairwise_iou(boxes(a), boxes(b)).numpy()
     p, q = _points(a), _points(b)
     return np.array([[1 / (1 + float(np.abs(x - y).max())) if x.size and x.shape == y.shape else 0.0 for y in q]
                      for x in p])
 
-
-def _coco_rle(rle: dict[str, Any]) -> dict[str, Any]:
-    """Either form of `encode_mask`'s RLE as pycocotools' own."""
-    from pycocotools import mask as coco_mask
-
-    h, w = rle["size"]
-    counts = rle["counts"]
-    if isinstance(counts, str):
-        return {"size": [h, w], "counts": counts.encode("ascii")}
-    return coco_mask.frPyObjects({"size": [h, w], "counts": counts}, h, w)
