@@ -15,6 +15,7 @@ setup: $(STAMP)
 
 $(STAMP): setup.py scripts/install_detectron2.py Makefile d2export/kernels/native/msda_op.cc d2export/kernels/native/ort_abi.h \
           d2export/kernels/native/msda_op.h d2export/kernels/native/msda_sample.h d2export/kernels/native/msda_op_cuda.cu \
+          d2export/kernels/native/msda_rows.h \
           d2export/kernels/native_build.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip wheel "setuptools<82"

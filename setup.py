@@ -48,7 +48,8 @@ MSDA_NATIVE = Extension(
     "d2export.kernels._msda_native",
     sources=["d2export/kernels/native/msda_op.cc"],
     depends=["d2export/kernels/native/ort_abi.h", "d2export/kernels/native/msda_sample.h",
-             "d2export/kernels/native/msda_op.h", "d2export/kernels/native_build.py"],
+             "d2export/kernels/native/msda_op.h", "d2export/kernels/native/msda_rows.h",
+             "d2export/kernels/native_build.py"],
     extra_compile_args=NATIVE_FLAGS,
     extra_link_args=[] if os.name == "nt" else ["-pthread"],
     export_symbols=["RegisterCustomOps"],
@@ -72,7 +73,7 @@ CUDA_SM = (75, 80, 86, 89, 90)
 CUDA_ARCHS = [flag for sm in CUDA_SM for flag in ("-gencode", f"arch=compute_{sm},code=sm_{sm}")] + [
     "-gencode", f"arch=compute_{CUDA_SM[-1]},code=compute_{CUDA_SM[-1]}"]
 NATIVE_HEADERS = ["d2export/kernels/native/ort_abi.h", "d2export/kernels/native/msda_op.h",
-                  "d2export/kernels/native/msda_sample.h"]
+                  "d2export/kernels/native/msda_sample.h", "d2export/kernels/native/msda_rows.h"]
 MSDA_CUDA = Extension(
     "d2export.kernels._msda_cuda",
     sources=["d2export/kernels/native/msda_op.cc"],  # plus CUDA_SOURCE, which BuildExt hands to nvcc
@@ -162,7 +163,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["d2export", "d2export.*"]),
-    package_data={"d2export": ["py.typed"]},
+    # the OpenVINO extension is built where it is used, from these (d2export/kernels/openvino_extension.py)
+    package_data={"d2export": ["py.typed", "kernels/native/*.h", "kernels/native/msda_openvino.cc"]},
     ext_modules=[MSDA_NATIVE] + [MSDA_CUDA] * WANT_CUDA,
     cmdclass={"build_ext": BuildExt},
     # `pip install d2export` is the serving runtime (infer, serve, triton-repo, batch with its extra): d2export.runtime

@@ -13,7 +13,8 @@ on the stand-in's full-size configs, seeded weights conditioned as the family sa
   (`d2export synth`: text for the spotters, boxes for the segmenters) at --size;
 - int8-heads: the same with `export.int8_recipe=heads` (only the decoding heads float, convolutions int8: the
   recipe `verify.int8_accuracy` holds to accuracy on labelled pictures);
-- bf16: `export.bf16=true` (the gather graph served by OpenVINO in bfloat16), where the CPU has AVX512-BF16 or AMX.
+- bf16: `export.bf16=true` of the fused graph, served by OpenVINO in bfloat16 with d2export's operator as its
+  extension, where the CPU has AVX512-BF16 or AMX.
 Then the runtime's Predictor (graph and served post-processing) of each and the model's own forward (list[dict] in,
 its post-processing, MSDA on the plugin's pure-PyTorch core) are timed in interleaved rounds at --size², batch 1, the
 same thread count everywhere. What each precision serves is taken against what float32 serves on --pictures
@@ -44,7 +45,7 @@ PRECISIONS = {"fp32": ["export.sampler=fused"],
               # only the decoding heads float, convolutions int8: what verify.int8_accuracy holds to accuracy
               "int8-heads": ["export.sampler=fused", "export.int8=static", "export.int8_recipe=heads",
                              "export.calibration_count=8"],
-              "bf16": ["export.sampler=gather", "export.bf16=true"]}
+              "bf16": ["export.sampler=fused", "export.bf16=true"]}
 CALIBRATION_SEED, HELD_OUT_SEED, TIMED_SEED = 4101, 4102, 4103  # seeds of this benchmark's own
 
 

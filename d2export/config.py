@@ -106,7 +106,8 @@ class ExportConfig:
                            "and needs verify.int8_accuracy)")
     bf16: bool = opt(False, "serve the float32 graph in bfloat16 through OpenVINO (manifest precision bfloat16, "
                      "runtime openvino), on CPUs with AVX512-BF16 or AMX-BF16; verified as served with verify.bf16_*; "
-                     "export.sampler gather or grid_sample (OpenVINO cannot load the fused operator)")
+                     "export.sampler fused (d2export's OpenVINO extension, built on first use), gather or "
+                     "grid_sample")
     calibration: str = opt("", "int8=static: the calibration pictures, a folder (`d2export synth` writes one) or a "
                            "registered detectron2 dataset")
     calibration_count: int = opt(32, "int8=static: how many of those pictures, the first in name order")
@@ -306,14 +307,14 @@ def _same_place(a: str, b: str) -> bool:
 
 
 def _bf16_servable(e: ExportConfig, verifying: bool) -> None:
-    """export.bf16: a graph OpenVINO loads (no d2export or TensorRT operator), verified as served on a CPU with
-    bfloat16 instructions; each refusal in one line."""
+    """export.bf16: a graph OpenVINO loads (no TensorRT operator; the fused one through d2export's extension),
+    verified as served on a CPU with bfloat16 instructions; each refusal in one line."""
     if e.target != "onnxruntime":
         raise ConfigError(f"export.bf16 with export.target={e.target}: bfloat16 is served by OpenVINO on the CPU; "
                           "use export.target=onnxruntime (for TensorRT: export.fp16=true)")
-    if e.sampler not in ("gather", "grid_sample", "pytorch", "auto"):
+    if e.sampler not in ("fused", "gather", "grid_sample", "pytorch", "auto"):
         raise ConfigError(f"export.bf16 with export.sampler={e.sampler}: bfloat16 is served by OpenVINO, which cannot "
-                          "load that operator; use export.sampler=gather (or grid_sample)")
+                          "load that operator; use export.sampler=fused (or gather, grid_sample)")
     if verifying:  # verification serves the graph in bfloat16 here
         from d2export.runtime.openvino_session import Bf16Unavailable, require_bf16
 

@@ -38,8 +38,8 @@ def test_bf16_supported_reads_the_cpu_features():
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["export.bf16=true", "export.sampler=fused"], "OpenVINO, which cannot load that operator; use "
-                                                  "export.sampler=gather"),
+    (["export.bf16=true", "export.sampler=trt_plugin"], "OpenVINO, which cannot load that operator; use "
+                                                       "export.sampler=fused"),
     (["export.bf16=true", "export.fp16=true"], "one precision"),
     (["export.bf16=true", "export.int8=dynamic"], "one precision"),
 ])
@@ -169,6 +169,22 @@ def test_a_wrong_graph_is_refused_by_the_bf16_verification(tmp_path, monkeypatch
     with pytest.raises(VerificationError, match=r"(?s)the bfloat16 graph disagrees with eager PyTorch.*\n\S+ +scores .*NO"):
         export("textdet_tiny", tmp_path, "export.bf16=true", "export.lint=false", "verify.batch=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
+
+
+@NEEDS_BF16
+def test_a_fused_bf16_export_verifies_and_serves_through_the_extension(tmp_path):
+    """export.sampler=fused in bfloat16: OpenVINO runs d2export's operator (its extension), the export verifies as
+    served, and the Predictor serves words from it."""
+    from d2export.runtime.predictor import Predictor
+
+    manifest = export("textdet_tiny", tmp_path, "export.bf16=true", "export.sampler=fused", "export.lint=false")
+    assert (manifest.precision, manifest.runtime, manifest.sampler) == ("bfloat16", "openvino", "fused")
+    assert manifest.custom_ops == ["d2export.MultiScaleDeformableAttention"]
+    assert manifest.verification["bf16"]["passed"] is True
+    predictor = Predictor(tmp_path / manifest.model_file, threads=1)
+    assert predictor.session.precision == "bf16"
+    found = predictor.predict(_picture())
+    assert found.instances and all(i.text is not None and len(i.polygon) for i in found.instances)
 
 
 def test_triton_repo_refuses_a_graph_openvino_serves(as_bf16, tmp_path):

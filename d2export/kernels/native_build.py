@@ -63,6 +63,31 @@ def build(output: Path, level: str | None = None, contract: bool = False) -> Pat
     return output
 
 
+OPENVINO_SOURCE = NATIVE / "msda_openvino.cc"
+
+
+def build_openvino(output: Path, openvino_dir: Path) -> Path:
+    """msda_openvino.cc (the fused operator as an OpenVINO extension, the rows of msda_rows.h) compiled with the
+    flags above against the OpenVINO package at `openvino_dir` (its include/ and libs/, as the pip wheel lays them
+    out), to the shared library `output`."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or clang++) to build the MSDA extension for OpenVINO")
+    libs = openvino_dir / "libs"
+    runtime = sorted(libs.glob("libopenvino.so*"), key=lambda p: len(p.name))
+    tbb = sorted(libs.glob("libtbb.so*"), key=lambda p: len(p.name))
+    if not (openvino_dir / "include").is_dir() or not runtime or not tbb:
+        raise RuntimeError(f"{openvino_dir} has no include/ or no libopenvino/libtbb in libs/: an OpenVINO without "
+                           "its development files")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([cxx, *NATIVE_FLAGS, "-shared", "-fPIC", f"-I{NATIVE}", f"-I{openvino_dir / 'include'}",
+                           str(OPENVINO_SOURCE), "-o", str(output), f"-L{libs}", f"-l:{runtime[-1].name}",
+                           f"-l:{tbb[-1].name}", f"-Wl,-rpath,{libs}"], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"building {output.name} failed:\n{done.stderr[-3000:]}")
+    return output
+
+
 def disassembly(library: str | Path) -> dict[str, str]:
     """`library`'s machine code by function (objdump -d, names demangled, clones named '<name> [clone .<target>]')."""
     objdump = shutil.which("objdump")

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from d2export import cpu
+from d2export.kernels import openvino_extension
+from d2export.kernels.custom_ops import FUSED_MSDA_ID, file_ops
 from d2export.runtime.model_loading import ORT_TYPE_NAMES
 from d2export.runtime.providers import ProviderUnavailable
 
@@ -80,6 +82,8 @@ class OpenVINOSession:
             raise ProviderUnavailable(f"serving through OpenVINO needs the openvino package ({e}): {INSTALL}") from None
         self.version = ov.__version__
         core = ov.Core()
+        if FUSED_MSDA_ID in file_ops(self.path):  # export.sampler=fused: d2export's operator, as an OpenVINO extension
+            core.add_extension(openvino_extension.library())
         model = core.read_model(str(self.path))
         config = {"INFERENCE_PRECISION_HINT": self.precision, "PERFORMANCE_HINT": "LATENCY"}
         if self.threads > 0:
