@@ -103,7 +103,7 @@ PRECISIONS = {"fp32": [], "fp16": ["export.fp16=true"], "int8": ["export.int8=dy
               "int8-static": ["export.int8=static"],  # needs export.calibration=FOLDER among the overrides
               # needs export.calibration=FOLDER and verify.int8_accuracy=FOLDER (other pictures) among the overrides
               "int8-heads": ["export.int8=static", "export.int8_recipe=heads"],
-              "bf16": ["export.bf16=true", "export.sampler=gather"]}  # OpenVINO, where the CPU has bfloat16
+              "bf16": ["export.bf16=true", "export.sampler=fused"]}  # OpenVINO, where the CPU has bfloat16
 # the first of these every run reports is drawn
 PLOTTED = ("bbox/AP", "text/e2e_hmean", "text/det_hmean", "panoptic_seg/PQ", "sem_seg/mIoU", "segm/AP")
 
