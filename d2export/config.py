@@ -161,6 +161,13 @@ class VerifyConfig:
     bf16_pixel_rtol: float = opt(5e-3, "bfloat16: relative tolerance of coordinates")
     bf16_max_mismatch: float = opt(0.1, "bfloat16: fraction of elements allowed outside the tolerance, in detections "
                                    "that are not confident (and ids that may tie in those that are)")
+    bf16_accuracy: str = opt("", "labelled held-out pictures that judge a bfloat16 graph by what it serves, as "
+                             "verify.int8_accuracy judges int8: the float32 graph (onnxruntime) and the bfloat16 graph "
+                             "(OpenVINO) scored by the family's evaluator, each headline metric dropping at most "
+                             "verify.bf16_max_drop; the tensor comparison (verify.bf16_*) is then recorded, not "
+                             "gating. Empty: tensors gate")
+    bf16_max_drop: float = opt(1.0, "verify.bf16_accuracy: points a headline metric may lose against the float32 "
+                               "graph's on the same pictures")
     top_k: int = opt(5, "float16, int8 and bfloat16: the top-K scoring detections must be the same ones")
     min_top_k_agreement: float = opt(0.8, "float16: least fraction of the eager top-K found in the graph's top-K")
     providers: List[str] = opt(factory=lambda: ["CPUExecutionProvider"], help="onnxruntime providers for "
@@ -257,6 +264,8 @@ def resolve(cfg: Any) -> D2ExportConfig:
                           + " both set: a graph has one precision")
     if e.bf16:
         _bf16_servable(e, v.enabled)
+    elif v.bf16_accuracy:
+        raise ConfigError("verify.bf16_accuracy judges a bfloat16 graph: set export.bf16=true")
     _one_of("export.fp16_fused", e.fp16_fused, FUSED_PRECISIONS)
     _int8_judged(e, v)
     if e.int8 == "static" and not e.calibration:
@@ -274,7 +283,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
     for key in ("atol", "rtol", "max_mismatch", "fp16_atol", "fp16_rtol", "fp16_pixel_atol", "fp16_pixel_rtol",
                 "fp16_max_mismatch", "int8_atol", "int8_rtol", "int8_pixel_atol", "int8_pixel_rtol",
                 "int8_max_mismatch", "bf16_atol", "bf16_rtol", "bf16_pixel_atol", "bf16_pixel_rtol",
-                "bf16_max_mismatch", "confident", "int8_max_drop"):
+                "bf16_max_mismatch", "confident", "int8_max_drop", "bf16_max_drop"):
         if not getattr(v, key) >= 0:
             raise ConfigError(f"verify.{key}={getattr(v, key)}: must be 0 or more")
     if v.top_k < 1 or not 0 <= v.min_top_k_agreement <= 1:

@@ -111,6 +111,18 @@ def text_pictures(tmp_path_factory):
     return _made_once(tmp_path_factory, "text_pictures", make) / "text"
 
 
+@pytest.fixture(scope="session")
+def labelled_text(tmp_path_factory):
+    """12 labelled text pictures of a seed of their own (not the fixture's training 0, held-out 1, validation 2,
+    demo 3, suite 7, calibration 13): what verify.int8_accuracy and verify.bf16_accuracy judge in the suite."""
+    from d2export.datasets import generate
+
+    def make(out):
+        generate("text", out / "held", count=12, seed=19, size=(320, 320), workers=1)
+
+    return _made_once(tmp_path_factory, "labelled_text", make) / "held"
+
+
 # The files whose tests take longest (a full run's durations on 2 cores, 2026-12-03), collected first: pytest-xdist
 # hands each worker a file at a time in collection order, so the long ones start at once and the short ones fill in
 # at the end, instead of one long file running alone while the other workers wait.

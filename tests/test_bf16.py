@@ -42,6 +42,8 @@ def test_bf16_supported_reads_the_cpu_features():
                                                        "export.sampler=fused"),
     (["export.bf16=true", "export.fp16=true"], "one precision"),
     (["export.bf16=true", "export.int8=dynamic"], "one precision"),
+    (["verify.bf16_accuracy=held"], "verify.bf16_accuracy judges a bfloat16 graph: set export.bf16=true"),
+    (["export.bf16=true", "verify.bf16_accuracy=held", "verify.bf16_max_drop=-1"], "bf16_max_drop"),
 ])
 def test_bf16_settings_are_checked_up_front(overrides, says):
     with pytest.raises(ConfigError, match=says) as refused:
@@ -196,3 +198,47 @@ def test_triton_repo_refuses_a_graph_openvino_serves(as_bf16, tmp_path):
     with pytest.raises(ValueError, match="bfloat16 graph served by openvino"):
         write_repository(path, tmp_path / "repo")
     assert not (tmp_path / "repo").exists()
+
+
+def _served_changed(monkeypatch, change):
+    """OpenVINO's "bfloat16" sessions computing in float32 with `change(name, array)` applied to what they return:
+    what the judgement must say then depends on the change, not on a CPU's bfloat16 rounding (and runs on any CPU)."""
+    monkeypatch.setattr(openvino_session, "require_bf16", lambda *a, **k: None)
+    for name in ("bf16", "bfloat16"):
+        monkeypatch.setitem(openvino_session.PRECISIONS, name, "f32")
+    run = OpenVINOSession.run
+
+    def changed(self, output_names, feeds):
+        names = [a.name for a in self.get_outputs()] if output_names is None else list(output_names)
+        return [change(n, v) for n, v in zip(names, run(self, output_names, feeds))]
+
+    monkeypatch.setattr(OpenVINOSession, "run", changed)
+
+
+def test_bf16_held_to_accuracy_writes_a_graph_whose_unserved_scores_moved(labelled_text, tmp_path, monkeypatch):
+    """Scores under 0.3 halved as served (past verify.bf16_*'s 0.05 + 0.05·|x|; all under the micro spotter's 0.4
+    display threshold): the tensors refuse, recorded; the words served are float32's, so accuracy holds."""
+    _served_changed(monkeypatch, lambda name, v: np.where(v < 0.3, v * 0.5, v) if name == "scores" else v)
+    manifest = export("textdet_micro", tmp_path, "export.bf16=true", "export.sampler=fused",
+                      f"verify.bf16_accuracy={labelled_text}", "verify.batch=false", "verify.pin_selections=false",
+                      "export.lint=false")
+    v = manifest.verification["bf16"]
+    assert manifest.precision == "bfloat16" and v["passed"] is True and v["judged_by"] == "accuracy"
+    assert v["tensors"]["passed"] is False and "disagrees with eager PyTorch" in v["tensors"]["refusal"]
+    a = v["accuracy"]
+    assert a["pictures"] == 12 and a["evaluator"] == "text" and a["max_drop"] == 1.0
+    assert set(a["metrics"]) == {"text/det_hmean", "text/e2e_hmean"}
+    for row in a["metrics"].values():
+        assert row["float32"] > 0 and abs(row["drop"]) < 1e-6
+    assert (tmp_path / manifest.model_file).is_file()
+
+
+def test_bf16_that_misreads_every_word_is_refused_by_accuracy_and_nothing_is_written(labelled_text, tmp_path,
+                                                                                     monkeypatch):
+    from d2export.verification.held_out_accuracy import AccuracyError
+
+    _served_changed(monkeypatch, lambda name, v: v + 1 if name == "char_ids" else v)
+    with pytest.raises(AccuracyError, match=r"text/e2e_hmean dropped more than verify.bf16_max_drop=1 point"):
+        export("textdet_micro", tmp_path, "export.bf16=true", "export.sampler=fused",
+               f"verify.bf16_accuracy={labelled_text}", "verify.batch=false", "export.lint=false")
+    assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))

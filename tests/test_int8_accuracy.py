@@ -13,16 +13,6 @@ from exports import export
 TEXT = ("text/det_hmean", "text/e2e_hmean")
 
 
-@pytest.fixture(scope="module")
-def labelled(tmp_path_factory):
-    """12 labelled text pictures of a seed of their own (not the fixture's training 0, held-out 1, validation 2,
-    demo 3, suite 7, calibration 13)."""
-    from d2export.datasets import generate
-
-    return generate("text", tmp_path_factory.mktemp("labelled") / "held", count=12, seed=19, size=(320, 320),
-                    workers=1)
-
-
 def rewired(src, dst, output: str, make_nodes) -> None:
     """The graph at `src` with `output` computed by `make_nodes(raw, output)` from what it was (`raw`)."""
     import onnx
@@ -78,7 +68,7 @@ def unserved_scores_halved(raw, out):
             helper.make_node("Where", ["unserved", "halved", raw], [out])]
 
 
-def test_a_graph_whose_tensors_move_past_int8s_tolerance_but_serves_the_same_is_written(labelled, text_pictures,
+def test_a_graph_whose_tensors_move_past_int8s_tolerance_but_serves_the_same_is_written(labelled_text, text_pictures,
                                                                                        tmp_path, monkeypatch):
     """The scores no one is served moved past verify.int8_*: the tensor comparison refuses them and that is
     recorded; what is served (words found and read) is the float32 graph's, so accuracy holds and the graph is
@@ -89,7 +79,7 @@ def test_a_graph_whose_tensors_move_past_int8s_tolerance_but_serves_the_same_is_
     calls = []
     monkeypatch.setattr(int8, "quantize", quantiser(unserved_scores_halved, "scores", calls))
     manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={text_pictures}",
-                      "export.calibration_count=4", "export.int8_recipe=heads", f"verify.int8_accuracy={labelled}",
+                      "export.calibration_count=4", "export.int8_recipe=heads", f"verify.int8_accuracy={labelled_text}",
                       "verify.batch=false", "verify.pin_selections=false", "export.lint=false")
     assert calls == [{"scopes": get("testr").int8_head_scopes, "static_ops": ("Conv", "MatMul", "Gemm"),
                       "mode": "static"}]
@@ -105,25 +95,25 @@ def test_a_graph_whose_tensors_move_past_int8s_tolerance_but_serves_the_same_is_
     assert (tmp_path / manifest.model_file).is_file()
 
 
-def test_points_moved_past_int8s_tolerance_are_refused_by_accuracy_too(labelled, tmp_path, monkeypatch):
+def test_points_moved_past_int8s_tolerance_are_refused_by_accuracy_too(labelled_text, tmp_path, monkeypatch):
     """4 px (int8's tolerance is 3 px): on these small words the outlines miss, detection H-mean falls (it fell by
     10.8 points here): refused, nothing written."""
     from d2export.exporting import int8
 
     monkeypatch.setattr(int8, "quantize", quantiser(moved_points(4.0), "ctrl_points", []))
     with pytest.raises(held_out_accuracy.AccuracyError, match="text/det_hmean"):
-        export("textdet_micro", tmp_path, "export.int8=dynamic", f"verify.int8_accuracy={labelled}",
+        export("textdet_micro", tmp_path, "export.int8=dynamic", f"verify.int8_accuracy={labelled_text}",
                "verify.batch=false", "export.lint=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
 
 
-def test_a_graph_that_misreads_every_word_is_refused_and_nothing_is_written(labelled, tmp_path, monkeypatch):
+def test_a_graph_that_misreads_every_word_is_refused_and_nothing_is_written(labelled_text, tmp_path, monkeypatch):
     from d2export.exporting import int8
 
     monkeypatch.setattr(int8, "quantize", quantiser(misread_characters, "char_ids", []))
     with pytest.raises(held_out_accuracy.AccuracyError, match=r"text/e2e_hmean dropped more than "
                                                               r"verify.int8_max_drop=1 point"):
-        export("textdet_micro", tmp_path, "export.int8=dynamic", f"verify.int8_accuracy={labelled}",
+        export("textdet_micro", tmp_path, "export.int8=dynamic", f"verify.int8_accuracy={labelled_text}",
                "verify.batch=false", "export.lint=false")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
 

@@ -1,8 +1,9 @@
-"""An int8 graph held to the float32 graph's accuracy on labelled held-out pictures (`verify.int8_accuracy`): both are
-served through the runtime's Predictor, as users receive them, and scored by the family's evaluator (the one
-`d2export evaluate` uses); each headline metric may drop at most `verify.int8_max_drop` points. What users receive is
-judged here, not tensors: a graph whose scores move past int8's tolerances while its words, boxes and masks hold is
-served, and one that loses accuracy is refused, whatever its tensors say."""
+"""A reduced-precision graph (int8, bfloat16) held to the float32 graph's accuracy on labelled held-out pictures
+(`verify.int8_accuracy`, `verify.bf16_accuracy`): both are served through the runtime's Predictor, as users receive
+them, and scored by the family's evaluator (the one `d2export evaluate` uses); each headline metric may drop at most
+`verify.<precision>_max_drop` points. What users receive is judged here, not tensors: a graph whose scores move past
+its precision's tolerances while its words, boxes and masks hold is served, and one that loses accuracy is refused,
+whatever its tensors say."""
 from __future__ import annotations
 
 import contextlib
@@ -25,7 +26,7 @@ log = logging.getLogger("d2export")
 
 
 class AccuracyError(VerificationError):
-    """The int8 graph serves less accurately than the float32 graph, or the pictures cannot tell."""
+    """The reduced-precision graph serves less accurately than the float32 graph, or the pictures cannot tell."""
 
 
 @dataclass
@@ -36,18 +37,19 @@ class HeldOut:
     records: list
     evaluator: str  # the family's: text, coco or segmentation
     tasks: tuple
+    key: str = "int8"  # the verify.* keys that gave the pictures and the drop: verify.<key>_accuracy, _max_drop
 
 
-def held_out(subject: Subject) -> HeldOut:
-    """`verify.int8_accuracy`'s pictures, loaded and checked before anything is quantised."""
-    built, given = subject.built, subject.built.cfg.verify.int8_accuracy
+def held_out(subject: Subject, key: str = "int8") -> HeldOut:
+    """`verify.<key>_accuracy`'s pictures (key: "int8" or "bf16"), loaded and checked before the long part."""
+    built, given = subject.built, getattr(subject.built.cfg.verify, f"{key}_accuracy")
     try:
         name = registered_dataset(given)
         records = dataset_records(name, None)
         tasks = evaluation_tasks(built.family.evaluator, name, set(built.adapter.output_names))
     except (EvaluateError, ValueError) as e:
-        raise AccuracyError(f"verify.int8_accuracy={given}: {e}") from None
-    return HeldOut(name, records, built.family.evaluator, tasks)
+        raise AccuracyError(f"verify.{key}_accuracy={given}: {e}") from None
+    return HeldOut(name, records, built.family.evaluator, tasks, key)
 
 
 def served_run(subject: Subject, held: HeldOut, graph: Path, precision: str) -> Run:
@@ -73,7 +75,8 @@ def served_run(subject: Subject, held: HeldOut, graph: Path, precision: str) -> 
                 run = onnx_run(model, held.records, make, built.cfg.verify.providers, torch.get_num_threads(),
                                verify_hash=False)
         except ValueError as e:  # the evaluator's word on pictures that do not fit the model (its classes)
-            raise AccuracyError(f"verify.int8_accuracy={built.cfg.verify.int8_accuracy}: {e}") from None
+            given = getattr(built.cfg.verify, f"{held.key}_accuracy")
+            raise AccuracyError(f"verify.{held.key}_accuracy={given}: {e}") from None
     run.name = precision
     return run
 
@@ -85,19 +88,20 @@ def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
     where = f"{held.dataset} ({len(held.records)} pictures)"
     headline = [m for m in HEADLINE if m in reference.metrics]
     if not headline:
-        raise AccuracyError(f"verify.int8_accuracy: the {held.evaluator} evaluator gave none of {', '.join(HEADLINE)} "
+        raise AccuracyError(f"verify.{held.key}_accuracy: the {held.evaluator} evaluator gave none of {', '.join(HEADLINE)} "
                             f"on {where}: give pictures labelled for this model")
     if not any(reference.metrics[m] > 0 for m in headline):
-        raise AccuracyError(f"verify.int8_accuracy: the float32 graph scores 0 on {where} "
-                            f"({', '.join(headline)}): those pictures cannot tell a right int8 graph from a wrong one")
+        raise AccuracyError(f"verify.{held.key}_accuracy: the float32 graph scores 0 on {where} "
+                            f"({', '.join(headline)}): those pictures cannot tell a right {run.precision} graph from "
+                            "a wrong one")
     rows = {m: {"float32": reference.metrics[m], run.precision: run.metrics.get(m, float("nan")),
                 "drop": reference.metrics[m] - run.metrics.get(m, float("nan"))} for m in headline}
     lost = [m for m, r in rows.items() if not r["drop"] <= max_drop]  # NaN: lost too
     table = "\n".join(f"  {m:<16} float32 {r['float32']:6.2f}  {run.precision} {r[run.precision]:6.2f}  "
-                      f"{-r['drop']:+6.2f}{'  past verify.int8_max_drop' if m in lost else ''}" for m, r in rows.items())
+                      f"{-r['drop']:+6.2f}{f'  past verify.{held.key}_max_drop' if m in lost else ''}" for m, r in rows.items())
     if lost:
         raise AccuracyError(f"the {run.precision} graph serves less accurately than the float32 graph on {where}: "
-                            f"{', '.join(lost)} dropped more than verify.int8_max_drop={max_drop:g} point(s)\n{table}")
+                            f"{', '.join(lost)} dropped more than verify.{held.key}_max_drop={max_drop:g} point(s)\n{table}")
     log.info("%s held to accuracy on %s (at most %g point(s) lost):\n%s", run.precision, where, max_drop, table)
     return {"passed": True, "dataset": held.dataset, "pictures": len(held.records), "evaluator": held.evaluator,
             "max_drop": max_drop, "metrics": rows}
