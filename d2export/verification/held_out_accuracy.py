@@ -88,8 +88,8 @@ def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
     where = f"{held.dataset} ({len(held.records)} pictures)"
     headline = [m for m in HEADLINE if m in reference.metrics]
     if not headline:
-        raise AccuracyError(f"verify.{held.key}_accuracy: the {held.evaluator} evaluator gave none of {', '.join(HEADLINE)} "
-                            f"on {where}: give pictures labelled for this model")
+        raise AccuracyError(f"verify.{held.key}_accuracy: the {held.evaluator} evaluator gave none of "
+                            f"{', '.join(HEADLINE)} on {where}: give pictures labelled for this model")
     if not any(reference.metrics[m] > 0 for m in headline):
         raise AccuracyError(f"verify.{held.key}_accuracy: the float32 graph scores 0 on {where} "
                             f"({', '.join(headline)}): those pictures cannot tell a right {run.precision} graph from "
@@ -97,11 +97,13 @@ def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
     rows = {m: {"float32": reference.metrics[m], run.precision: run.metrics.get(m, float("nan")),
                 "drop": reference.metrics[m] - run.metrics.get(m, float("nan"))} for m in headline}
     lost = [m for m, r in rows.items() if not r["drop"] <= max_drop]  # NaN: lost too
+    past = f"  past verify.{held.key}_max_drop"
     table = "\n".join(f"  {m:<16} float32 {r['float32']:6.2f}  {run.precision} {r[run.precision]:6.2f}  "
-                      f"{-r['drop']:+6.2f}{f'  past verify.{held.key}_max_drop' if m in lost else ''}" for m, r in rows.items())
+                      f"{-r['drop']:+6.2f}{past if m in lost else ''}" for m, r in rows.items())
     if lost:
         raise AccuracyError(f"the {run.precision} graph serves less accurately than the float32 graph on {where}: "
-                            f"{', '.join(lost)} dropped more than verify.{held.key}_max_drop={max_drop:g} point(s)\n{table}")
+                            f"{', '.join(lost)} dropped more than verify.{held.key}_max_drop={max_drop:g} "
+                            f"point(s)\n{table}")
     log.info("%s held to accuracy on %s (at most %g point(s) lost):\n%s", run.precision, where, max_drop, table)
     return {"passed": True, "dataset": held.dataset, "pictures": len(held.records), "evaluator": held.evaluator,
             "max_drop": max_drop, "metrics": rows}
