@@ -201,7 +201,13 @@ def test_differences_are_found_and_ranked():
     other[10:30, 60:62] = True
     a = Prediction(100, 120, [Instance(0.9, 1, box=[10, 10, 60, 30], mask=encode_mask(mask))])
     b = Prediction(100, 120, [Instance(0.9, 1, box=[10, 10, 60, 30], mask=encode_mask(other))])
-    assert difference(a, b)[1] == "masks differ in 4.0% of their area"
+    assert difference(a, b)[1] == "masks differ in 3.8% of the pixels either covers"  # 40 of 1040
+    # a mask with no pixels against one with a few: all of them differ, no more (a share of the first's area was
+    # 33300% on a segmenter's empty mask)
+    empty, few = np.zeros_like(mask), np.zeros_like(mask)
+    few[0, :3] = True
+    c, d = (Prediction(100, 120, [Instance(0.9, 1, box=[0, 0, 3, 1], mask=encode_mask(m))]) for m in (empty, few))
+    assert difference(c, d)[1] == difference(d, c)[1] == "masks differ in 100.0% of the pixels either covers"
     reference = Run("PyTorch", "float32", {}, [text_prediction(), text_prediction(), text_prediction()])
     run = Run("model", "float16", {}, [text_prediction(2.0), text_prediction(), text_prediction(n=3)])
     records = [{"file_name": f"p{i}.jpg"} for i in range(3)]
@@ -225,12 +231,12 @@ def test_near_tied_detections_in_another_order_are_the_same_but_a_change_is_stil
     # the same two masks with their classes exchanged: a wrong graph, whichever order it serves them in (each class
     # meets its own, whose mask is elsewhere)
     relabelled = Prediction(100, 120, [Instance(0.5001, 2, mask=_square(10, 10)), Instance(0.5, 1, mask=_square(50, 70))])
-    assert difference(a, relabelled)[1] == "masks differ in 200.0% of their area"
+    assert difference(a, relabelled)[1] == "masks differ in 100.0% of the pixels either covers"
     assert difference(a, Prediction(100, 120, [Instance(0.5001, 1, mask=_square(10, 10)),
                                                Instance(0.5, 3, mask=_square(50, 70))]))[1] == "class 2 vs 3"
     # one mask moved by 4 px, in the other order: still found, against its own counterpart
     moved = Prediction(100, 120, [Instance(0.5001, 2, mask=_square(50, 70)), Instance(0.5, 1, mask=_square(14, 10))])
-    assert difference(a, moved)[1] == "masks differ in 40.0% of their area"
+    assert difference(a, moved)[1] == "masks differ in 33.3% of the pixels either covers"  # 160 of 480
     # the same class twice: told apart by where they are (boxes, then points, where there are no masks)
     boxes = [Instance(0.5001, 1, box=[10, 10, 30, 30]), Instance(0.5, 1, box=[70, 50, 90, 70])]
     assert difference(Prediction(100, 120, boxes), Prediction(100, 120, boxes[::-1])) is None
