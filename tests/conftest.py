@@ -137,15 +137,22 @@ LONGEST_FIRST = ("test_pinning.py", "test_export_pipeline.py", "test_dynamo_dete
 # The per-family torch.export matrix (every family and detectron2 meta-architecture through export.exporter=dynamo,
 # verified): a quarter of the suite's time, run as its own step (`make test-matrix`; `make test-all` and CI run both).
 MATRIX_FILES = "test_dynamo_*.py"
+# The tests that run OpenVINO in their own process: `make test` runs them after the rest, in one pytest process
+# without xdist workers. Three times (two sessions and a CI run, AVX-512 and AMX) an xdist worker that had served
+# OpenVINO graphs ended later in the run without a traceback, and the controller then waited for it forever.
+OPENVINO_FILES = ("test_bf16.py",)  # test_msda_openvino.py runs OpenVINO in child processes
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "torch_export_matrix: the per-family torch.export matrix (make test-matrix)")
+    config.addinivalue_line("markers", "openvino: runs OpenVINO in the test's process (make test runs them apart)")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.match(MATRIX_FILES):
             item.add_marker(pytest.mark.torch_export_matrix)
+        if item.path.name in OPENVINO_FILES:
+            item.add_marker(pytest.mark.openvino)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
