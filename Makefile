@@ -33,8 +33,11 @@ $(STAMP): setup.py scripts/install_detectron2.py Makefile d2export/kernels/nativ
 # The tests that run OpenVINO in-process (marked `openvino` by tests/conftest.py) run after the rest, in one process
 # without workers: a worker that had served OpenVINO graphs ended unexplained later in three runs, and pytest-xdist's
 # controller then waited for it until CI's limit. Exit status 5 is "no test collected": a PYTEST_ARGS of one file.
+# --max-worker-restart 1: a second crashed worker ends the run, naming the tests it was running (with the default,
+# workers that kept crashing were replaced until the run hung).
 PYTEST_JOBS ?= auto
-PYTEST := $(PY) -m pytest -n $(PYTEST_JOBS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder
+XDIST := -n $(PYTEST_JOBS) --maxprocesses 4 --dist loadfile --no-loadscope-reorder --max-worker-restart 1
+PYTEST := $(PY) -m pytest $(XDIST)
 test: setup
 	$(PYTEST) -m "not torch_export_matrix and not openvino" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(PY) -m pytest -m "openvino and not torch_export_matrix" $(PYTEST_ARGS) || [ $$? -eq 5 ]
