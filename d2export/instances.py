@@ -145,3 +145,9 @@ def decode_mask(rle: dict[str, Any]) -> np.ndarray:
         return coco_mask.decode(coco_rle(rle)).astype(bool)
     values = np.repeat(np.arange(len(counts)) % 2, counts).astype(bool)
     return values.reshape(w, h).T
+
+
+def mask_iou(a: np.ndarray, b: np.ndarray) -> float:
+    """Intersection over union of two boolean masks (two empty masks: 1.0, the same nothing)."""
+    union = np.count_nonzero(a | b)
+    return 1.0 if union == 0 else float(np.count_nonzero(a & b) / union)

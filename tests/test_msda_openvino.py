@@ -3,6 +3,7 @@ built on first use, read by OpenVINO's ONNX frontend, computing what onnxruntime
 import io
 import subprocess
 import sys
+
 import numpy as np
 import onnxruntime as ort
 import pytest

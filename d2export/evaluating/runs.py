@@ -167,16 +167,13 @@ def _compared(kinds_: tuple, x: Any, y: Any) -> list[tuple[float, str]]:
     return [d for k in kinds_ if k.compare and (d := k.compare(getattr(x, k.name), getattr(y, k.name)))]
 
 
-def _xor_share(x: np.ndarray, y: np.ndarray) -> float:
-    return float(np.logical_xor(x, y).sum() / max(np.logical_or(x, y).sum(), 1))
-
-
 def difference(a: Prediction, b: Prediction, pixels: float = 0.5) -> tuple[float, str] | None:
     """How two predictions of one picture differ, as (severity, what), or None where they agree: the number of
     detections, a class or a transcription, each served kind as it declares (the panoptic segments' ids and classes;
     semantic or panoptic maps in over MAP_SHARE of their pixels), points more than `pixels` apart, masks differing in
     over 1% of the pixels either covers. Detections are compared in the pairs `paired` makes, not in score order.
-    Severity orders the worst first: a count difference above all, then labels, text and segments, then masks, maps and distance."""
+    Severity orders the worst first: a count difference above all, then labels, text and segments, then masks, maps
+    and distance."""
     if len(a.instances) != len(b.instances):
         return 1e6 + abs(len(a.instances) - len(b.instances)), f"{len(a.instances)} vs {len(b.instances)} detections"
     theirs = paired(a.instances, b.instances)
@@ -195,11 +192,11 @@ def difference(a: Prediction, b: Prediction, pixels: float = 0.5) -> tuple[float
                if p.size and p.shape == q.shape), default=0.0)
     masks = [(x.mask, y.mask) for x, y in zip(a.instances, theirs) if x.mask and y.mask]
     if masks:
-        from d2export.instances import decode_mask
+        from d2export.instances import decode_mask, mask_iou
 
         # a share of the pixels either covers (1 - IoU): bounded, and an empty mask against another is 100%, where a
         # share of the first's area read 33300% for a few pixels against one
-        worst = max(_xor_share(decode_mask(m), decode_mask(n)) for m, n in masks)
+        worst = max(1 - mask_iou(decode_mask(m), decode_mask(n)) for m, n in masks)
         if worst > 0.01:
             return 1e4 * worst, f"masks differ in {worst:.1%} of the pixels either covers"
     if gap > pixels or math.isnan(gap):

@@ -15,6 +15,7 @@ import logging
 
 import numpy as np
 
+from d2export.instances import decode_mask, mask_iou
 from d2export.verification.comparison import VerificationError
 
 log = logging.getLogger("d2export")
@@ -108,8 +109,6 @@ def held_to_own_inference(outputs: dict[str, np.ndarray], own: list[dict], sizes
 
 def agreement(served, theirs: dict, post: dict) -> tuple[dict, list[str]]:
     """A served Prediction against one picture's result of the model's own forward: (figures, what is wrong)."""
-    from d2export.instances import decode_mask
-
     figures, wrong = {}, []
     if post["semantic_on"]:
         scores = theirs["sem_seg"].float().cpu().numpy()  # [K, H, W]
@@ -133,7 +132,7 @@ def agreement(served, theirs: dict, post: dict) -> tuple[dict, list[str]]:
             theirs_ = [(s["category_id"], s["isthing"]) for s in segments]
             wrong.append(f"segments (class, thing) {mine} served, {theirs_} the model's")
         else:
-            ious = [_iou(served.panoptic == a.id, ids == b["id"]) for a, b in zip(served.segments, segments)]
+            ious = [mask_iou(served.panoptic == a.id, ids == b["id"]) for a, b in zip(served.segments, segments)]
             figures["segment_iou"] = min(ious, default=1.0)
             if figures["segment_iou"] < SEGMENT_IOU:
                 wrong.append(f"a segment's pixels overlap the model's by IoU {figures['segment_iou']:.4f} "
@@ -150,8 +149,8 @@ def agreement(served, theirs: dict, post: dict) -> tuple[dict, list[str]]:
                 unmatched += 1
                 continue
             # upstream's top-k is unsorted: each served instance against the closest of the model's of its class
-            j = min(candidates, key=lambda c: (-_iou(mask, own[c][2]), abs(own[c][1] - found.score)))
-            score, iou = max(score, abs(own[j][1] - found.score)), min(iou, _iou(mask, own[j][2]))
+            j = min(candidates, key=lambda c: (-mask_iou(mask, own[c][2]), abs(own[c][1] - found.score)))
+            score, iou = max(score, abs(own[j][1] - found.score)), min(iou, mask_iou(mask, own[j][2]))
             own.pop(j)
         figures |= {"score_diff": score, "mask_iou": iou}
         if unmatched or own:
@@ -161,8 +160,3 @@ def agreement(served, theirs: dict, post: dict) -> tuple[dict, list[str]]:
             wrong.append(f"instance scores up to {score:.3g} off (within {SCORE_ATOL}), masks IoU down to {iou:.4f} "
                          f"(needs {MASK_IOU})")
     return figures, wrong
-
-
-def _iou(a: np.ndarray, b: np.ndarray) -> float:
-    union = np.count_nonzero(a | b)
-    return 1.0 if union == 0 else float(np.count_nonzero(a & b) / union)
