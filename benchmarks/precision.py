@@ -1,7 +1,8 @@
 """Served latency per precision, side by side: eager PyTorch, the float32 graph, int8 and bfloat16.
 
     .venv/bin/python tools/benchmark.py precision [--models micro r50 panoptic instance semantic] [--size 640]
-        [--threads 2] [--rounds 3] [--precisions fp32 int8 int8-heads bf16] [--pictures 4] [--out DIR]
+        [--threads 2] [--rounds 3] [--precisions fp32 int8 int8-heads int8-openvino int8-heads-openvino bf16]
+        [--pictures 4] [--out DIR]
 
 One run, one machine. Per model (micro: the trained micro spotter, `textdet_micro`, read at its own 480; r50: the
 R-50 TESTR-size spotter, `textdet`, seeded weights, read at --size; panoptic / instance / semantic: Mask2Former R-50
@@ -13,6 +14,7 @@ on the stand-in's full-size configs, seeded weights conditioned as the family sa
   (`d2export synth`: text for the spotters, boxes for the segmenters) at --size;
 - int8-heads: the same with `export.int8_recipe=heads` (only the decoding heads float, convolutions int8: the
   recipe `verify.int8_accuracy` holds to accuracy on labelled pictures);
+- int8-openvino, int8-heads-openvino: those two graphs served by OpenVINO (`export.runtime=openvino`);
 - bf16: `export.bf16=true` of the fused graph, served by OpenVINO in bfloat16 with d2export's operator as its
   extension, where the CPU has AVX512-BF16 or AMX.
 Then the runtime's Predictor (graph and served post-processing) of each and the model's own forward (list[dict] in,
@@ -46,6 +48,8 @@ PRECISIONS = {"fp32": ["export.sampler=fused"],
               "int8-heads": ["export.sampler=fused", "export.int8=static", "export.int8_recipe=heads",
                              "export.calibration_count=8"],
               "bf16": ["export.sampler=fused", "export.bf16=true"]}
+# the int8 graphs served by OpenVINO (export.runtime=openvino: its int8 products, the float rest in float32)
+PRECISIONS |= {f"{name}-openvino": [*PRECISIONS[name], "export.runtime=openvino"] for name in ("int8", "int8-heads")}
 CALIBRATION_SEED, HELD_OUT_SEED, TIMED_SEED = 4101, 4102, 4103  # seeds of this benchmark's own
 
 

@@ -108,6 +108,10 @@ class ExportConfig:
                      "runtime openvino), on CPUs with AVX512-BF16 or AMX-BF16; verified as served with verify.bf16_*; "
                      "export.sampler fused (d2export's OpenVINO extension, built on first use), gather or "
                      "grid_sample")
+    runtime: str = opt("", "what serves the graph: onnxruntime | openvino; empty: the precision's own (OpenVINO for "
+                       "bf16, onnxruntime for the rest). openvino also serves int8 graphs (their quantised "
+                       "convolutions and MatMuls in int8, the float rest in float32; faster than onnxruntime's int8 "
+                       "where measured, docs/precision.md); verified as served")
     calibration: str = opt("", "int8=static: the calibration pictures, a folder (`d2export synth` writes one) or a "
                            "registered detectron2 dataset")
     calibration_count: int = opt(32, "int8=static: how many of those pictures, the first in name order")
@@ -262,6 +266,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
     if sum(map(bool, (e.int8, e.fp16, e.bf16))) > 1:
         raise ConfigError("export." + " and export.".join(k for k in ("fp16", "int8", "bf16") if getattr(e, k))
                           + " both set: a graph has one precision")
+    _runtime_chosen(e)
     if e.bf16:
         _bf16_servable(e, v.enabled)
     elif v.bf16_accuracy:
@@ -315,15 +320,37 @@ def _same_place(a: str, b: str) -> bool:
     return a == b or Path(a).resolve() == Path(b).resolve()
 
 
-def _bf16_servable(e: ExportConfig, verifying: bool) -> None:
-    """export.bf16: a graph OpenVINO loads (no TensorRT operator; the fused one through d2export's extension),
-    verified as served on a CPU with bfloat16 instructions; each refusal in one line."""
+def _runtime_chosen(e: ExportConfig) -> None:
+    """export.runtime: OpenVINO serves bfloat16 and, when asked, int8; onnxruntime the rest (float32 through OpenVINO
+    measured 1.04-1.07x onnxruntime's: not worth a second float32 path). Each refusal in one line."""
+    _one_of("export.runtime", e.runtime, ("", "onnxruntime", "openvino"))
+    if e.bf16 and e.runtime == "onnxruntime":
+        raise ConfigError("export.bf16 with export.runtime=onnxruntime: onnxruntime's CPU provider has no bfloat16 "
+                          "GEMM, OpenVINO serves bfloat16; leave export.runtime empty")
+    if e.runtime != "openvino" or e.bf16:
+        return
+    if not e.int8:
+        raise ConfigError("export.runtime=openvino serves int8 and bfloat16 graphs (export.int8, export.bf16); "
+                          f"a {'float16' if e.fp16 else 'float32'} graph is served by onnxruntime: leave "
+                          "export.runtime empty")
+    _openvino_loads(e, "export.runtime=openvino")
+
+
+def _openvino_loads(e: ExportConfig, what: str) -> None:
+    """A graph OpenVINO loads: written for onnxruntime, no TensorRT operator (the fused one through d2export's
+    extension)."""
     if e.target != "onnxruntime":
-        raise ConfigError(f"export.bf16 with export.target={e.target}: bfloat16 is served by OpenVINO on the CPU; "
-                          "use export.target=onnxruntime (for TensorRT: export.fp16=true)")
+        raise ConfigError(f"{what} with export.target={e.target}: OpenVINO serves on the CPU; use "
+                          "export.target=onnxruntime (for TensorRT: export.fp16=true)")
     if e.sampler not in ("fused", "gather", "grid_sample", "pytorch", "auto"):
-        raise ConfigError(f"export.bf16 with export.sampler={e.sampler}: bfloat16 is served by OpenVINO, which cannot "
-                          "load that operator; use export.sampler=fused (or gather, grid_sample)")
+        raise ConfigError(f"{what} with export.sampler={e.sampler}: OpenVINO cannot load that operator; use "
+                          "export.sampler=fused (or gather, grid_sample)")
+
+
+def _bf16_servable(e: ExportConfig, verifying: bool) -> None:
+    """export.bf16: a graph OpenVINO loads, verified as served on a CPU with bfloat16 instructions; each refusal in
+    one line."""
+    _openvino_loads(e, "export.bf16")
     if verifying:  # verification serves the graph in bfloat16 here
         from d2export.runtime.openvino_session import Bf16Unavailable, require_bf16
 

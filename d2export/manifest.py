@@ -38,7 +38,8 @@ class Manifest:
     custom_ops: list[str] = field(default_factory=list)
     precision: str = "float32"  # "float16" with export.fp16 (MSDA sampling, Softmax, … float32 inside)
     # what serves the graph: onnxruntime, or "openvino" for precision "bfloat16" (export.bf16: the graph is float32,
-    # OpenVINO computes it in bfloat16 where the CPU has it; runtime/openvino_session.py)
+    # OpenVINO computes it in bfloat16 where the CPU has it) and for "int8" with export.runtime=openvino (the QDQ
+    # graph's quantised products in int8, the rest in float32); runtime/openvino_session.py
     runtime: str = "onnxruntime"
     # what the runtime needs for pre- and post-processing
     preprocess: dict[str, Any] = field(default_factory=dict)  # input_format, min_size_test, max_size_test, size_divisibility

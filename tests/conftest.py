@@ -140,7 +140,7 @@ MATRIX_FILES = "test_dynamo_*.py"
 # The tests that run OpenVINO in their own process: `make test` runs them after the rest, in one pytest process
 # without xdist workers. Three times (two sessions and a CI run, AVX-512 and AMX) an xdist worker that had served
 # OpenVINO graphs ended later in the run without a traceback, and the controller then waited for it forever.
-OPENVINO_FILES = ("test_bf16.py",)  # test_msda_openvino.py runs OpenVINO in child processes
+OPENVINO_FILES = ("test_bf16.py", "test_int8_openvino.py")  # test_msda_openvino.py runs OpenVINO in child processes
 
 
 def pytest_configure(config):

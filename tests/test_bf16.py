@@ -16,6 +16,7 @@ from d2export.config import ConfigError, load
 from d2export.runtime import openvino_session
 from d2export.runtime.openvino_session import Bf16Unavailable, OpenVINOSession, bf16_supported
 from exports import export
+from openvino_outputs import change_outputs
 
 NEEDS_BF16 = pytest.mark.skipif(not bf16_supported(), reason="serving in bfloat16 needs a CPU with AVX512-BF16 or "
                                 f"AMX-BF16 (this one: {cpu.describe_cpu()})")
@@ -38,7 +39,7 @@ def test_bf16_supported_reads_the_cpu_features():
 
 
 @pytest.mark.parametrize("overrides, says", [
-    (["export.bf16=true", "export.sampler=trt_plugin"], "OpenVINO, which cannot load that operator; use "
+    (["export.bf16=true", "export.sampler=trt_plugin"], "OpenVINO cannot load that operator; use "
                                                        "export.sampler=fused"),
     (["export.bf16=true", "export.fp16=true"], "one precision"),
     (["export.bf16=true", "export.int8=dynamic"], "one precision"),
@@ -206,13 +207,7 @@ def _served_changed(monkeypatch, change):
     monkeypatch.setattr(openvino_session, "require_bf16", lambda *a, **k: None)
     for name in ("bf16", "bfloat16"):
         monkeypatch.setitem(openvino_session.PRECISIONS, name, "f32")
-    run = OpenVINOSession.run
-
-    def changed(self, output_names, feeds):
-        names = [a.name for a in self.get_outputs()] if output_names is None else list(output_names)
-        return [change(n, v) for n, v in zip(names, run(self, output_names, feeds))]
-
-    monkeypatch.setattr(OpenVINOSession, "run", changed)
+    change_outputs(monkeypatch, change)
 
 
 def test_bf16_held_to_accuracy_writes_a_graph_whose_unserved_scores_moved(labelled_text, tmp_path, monkeypatch):

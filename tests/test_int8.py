@@ -172,6 +172,7 @@ def test_static_int8_calibrates_on_pictures_and_verifies(text_pictures, tmp_path
                       "export.calibration_count=16", "verify.batch=false", "export.lint=false")
     v = manifest.verification["int8"]
     assert manifest.precision == "int8" and v["passed"] is True
+    assert manifest.runtime == v["runtime"] == "onnxruntime" and v["providers"] == ["CPUExecutionProvider"]
     q = v["quantization"]
     assert q["mode"] == "static" and q["calibration"] == {"pictures": 16, "method": "minmax"}
     assert q["op_types"] == ["MatMul", "Gemm"] and q["quantized"] > 20

@@ -103,6 +103,9 @@ PRECISIONS = {"fp32": [], "fp16": ["export.fp16=true"], "int8": ["export.int8=dy
               "int8-static": ["export.int8=static"],  # needs export.calibration=FOLDER among the overrides
               # needs export.calibration=FOLDER and verify.int8_accuracy=FOLDER (other pictures) among the overrides
               "int8-heads": ["export.int8=static", "export.int8_recipe=heads"],
+              # the same two served by OpenVINO (its int8 products; faster on the AMX Xeon, docs/precision.md)
+              "int8-openvino": ["export.int8=static", "export.runtime=openvino"],
+              "int8-heads-openvino": ["export.int8=static", "export.int8_recipe=heads", "export.runtime=openvino"],
               "bf16": ["export.bf16=true", "export.sampler=fused"]}  # OpenVINO, where the CPU has bfloat16
 # the first of these every run reports is drawn
 PLOTTED = ("bbox/AP", "text/e2e_hmean", "text/det_hmean", "panoptic_seg/PQ", "sem_seg/mIoU", "segm/AP")
@@ -280,7 +283,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="", help="with --config: also export it at each of these precisions "
                     "and evaluate them, comma-separated: fp32, fp16, int8 (dynamic), int8-static (give "
                     "export.calibration=FOLDER), int8-heads (int8-static with export.int8_recipe=heads: give "
-                    "verify.int8_accuracy=FOLDER too), bf16 (OpenVINO, on a CPU with AVX512-BF16 or AMX) (default: none)")
+                    "verify.int8_accuracy=FOLDER too), int8-openvino and int8-heads-openvino (those two served by OpenVINO), bf16 "
+                    "(OpenVINO, on a CPU with AVX512-BF16 or AMX) (default: none)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads of every run, PyTorch and onnxruntime "
                     "alike (default: 0, torch's count)")
     ap.add_argument("--plot", default=None, metavar="FILE", help="draw accuracy against latency there (default: "

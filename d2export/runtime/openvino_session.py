@@ -1,7 +1,9 @@
 """An ONNX graph served by OpenVINO on the CPU, in float32 or bfloat16, behind the face of an onnxruntime session
 (`get_inputs`/`get_outputs` with name, shape and type; `run(output_names, feeds)` → numpy arrays): what serves an
 `export.bf16` graph (onnxruntime's CPU provider has no bfloat16 GEMM; OpenVINO's `INFERENCE_PRECISION_HINT=bf16`
-computes matrix products and convolutions in bfloat16 where the CPU has AVX512-BF16 or AMX-BF16). Torch-free."""
+computes matrix products and convolutions in bfloat16 where the CPU has AVX512-BF16 or AMX-BF16), and an int8 graph
+with export.runtime=openvino (at "f32", OpenVINO runs a QDQ graph's quantised products in int8, on VNNI or AMX-INT8,
+and the rest in float32). Torch-free."""
 from __future__ import annotations
 
 import os

@@ -48,14 +48,15 @@ class Predictor(Processing):
         `cuda_graph`: on the CUDA provider, replay onnxruntime's CUDA graphs (one captured per batch and size, inputs
         and outputs in fixed device buffers: `BoundRuns`) where onnxruntime accepts the graph (every node on the CUDA
         provider: a fixed-size export), tried first; elsewhere it serves as without, after one line in the log.
-        A manifest of runtime "openvino" (export.bf16, precision bfloat16) is served by OpenVINO on the CPU in
-        bfloat16 (`openvino_session.py`; `threads` its threads), and refused in one line on a CPU without it."""
+        A manifest of runtime "openvino" is served by OpenVINO on the CPU (`openvino_session.py`; `threads` its
+        threads): precision bfloat16 (export.bf16) in bfloat16, refused in one line on a CPU without it; int8
+        (export.runtime=openvino) with its quantised products in int8 and the rest in float32."""
         import onnxruntime as ort
 
         self.model_path, self.threads = Path(model_path), int(threads)
         super().__init__(load_manifest(self.model_path, verify_hash, embedded_manifest), score_threshold, min_size,
                          max_size)
-        if self.manifest.runtime == "openvino":  # export.bf16: OpenVINO serves it, at the manifest's precision
+        if self.manifest.runtime == "openvino":  # export.bf16, or int8 asked so: OpenVINO serves it
             self._openvino_session(providers, cuda_graph)
             return
 
@@ -82,7 +83,8 @@ class Predictor(Processing):
 
     def _openvino_session(self, providers: Sequence[str], cuda_graph: bool) -> None:
         """The session of a graph OpenVINO serves (manifest runtime "openvino"), on the CPU: a bfloat16 graph in
-        bfloat16, refused in one line on a CPU without it (Bf16Unavailable) or where another provider is asked for."""
+        bfloat16, refused in one line on a CPU without it (Bf16Unavailable); an int8 graph at OpenVINO's float32
+        hint (what is quantised runs in int8). Refused in one line where another provider is asked for."""
         asked = [PROVIDERS.get(p.lower(), p) for p in providers]
         if any(p != PROVIDERS["cpu"] for p in asked) or cuda_graph:
             raise ProviderUnavailable(f"{self.model_path.name} is a {self.manifest.precision} graph served by OpenVINO "

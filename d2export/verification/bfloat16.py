@@ -7,8 +7,7 @@ from __future__ import annotations
 import logging
 
 from d2export import progress
-from d2export.runtime import openvino_session
-from d2export.verification import comparison, near_ties
+from d2export.verification import check_sessions, comparison
 from d2export.verification.reduced_precision import _verify_reduced
 from d2export.verification.subject import Subject
 
@@ -41,9 +40,7 @@ def verify_bfloat16(subject: Subject) -> dict:
 
 def _verify_tensors(subject: Subject, threads: int) -> dict:
     progress.step(5, "verifying as served in bfloat16", f"OpenVINO, INFERENCE_PRECISION_HINT=bf16, {threads} threads")
-    session = openvino_session.OpenVINOSession(subject.path, "bf16", threads)
-    copy = near_ties.SelectingCopy(subject.path,
-                                   open_model=lambda model: openvino_session.open_model(model, "bf16", threads))
+    session, copy = check_sessions.openvino_sessions(subject.path, "bf16")
     return _verify_reduced(subject, "bfloat16", session, copy) | {"openvino": session.version}
 
 

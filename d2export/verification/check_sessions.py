@@ -30,6 +30,20 @@ def session(path: Path, providers, precision: str = "float32"):
     return ort.InferenceSession(str(path), options, providers=providers, provider_options=per_provider)
 
 
+def openvino_sessions(path: Path, precision: str):
+    """The graph as OpenVINO serves it at `precision` ("f32": float32, and an int8 graph's quantised products in int8;
+    "bf16") on as many threads as the eager references, and its selecting copy on the same: (session, copy)."""
+    import torch
+
+    from d2export.runtime import openvino_session
+    from d2export.verification import near_ties
+
+    threads = torch.get_num_threads()
+    session = openvino_session.OpenVINOSession(path, precision, threads)
+    return session, near_ties.SelectingCopy(path, open_model=lambda m: openvino_session.open_model(m, precision,
+                                                                                                      threads))
+
+
 def ran_on(session, path: Path) -> dict:
     """The providers a verification really ran on, with their options and the graph transformers left out, and for a
     fused graph the kernel that computed its operator ("native", "numba" or "cuda"): what a server must use to serve

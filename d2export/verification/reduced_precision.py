@@ -9,7 +9,7 @@ from d2export import progress
 from d2export.verification import check_sessions, comparison, pinning
 from d2export.verification.failed_cases import _pin_selections
 from d2export.verification.pictures import picture_files
-from d2export.verification.subject import Subject, served_manifest
+from d2export.verification.subject import Subject, served_manifest, serving_runtime
 from d2export.verification.tolerances import _reduced_settings, reduced_tolerances
 
 log = logging.getLogger("d2export")
@@ -69,17 +69,27 @@ def quantise_to_int8(subject: Subject) -> dict:
         quantized.unlink(missing_ok=True)
     log.info("int8: %d node(s) quantised, %d kept float (%s); %s", record.quantized, len(record.kept_float),
              ", ".join(scopes) or "none", record.why_reduce_range)
-    made = {"quantization": record.to_dict(), "recipe": e.int8_recipe}
+    runtime = serving_runtime(e, "int8")
+    made = {"quantization": record.to_dict(), "recipe": e.int8_recipe, "runtime": runtime}
     if not subject.cases:
         return {"passed": None} | made
     if not judged:
-        return _verify_reduced(subject, "int8") | made
+        return _verify_int8_served(subject, runtime) | made
     try:  # recorded: what users receive was judged above
-        tensors = _verify_reduced(subject, "int8")
+        tensors = _verify_int8_served(subject, runtime)
     except comparison.VerificationError as refusal:
         tensors = {"passed": False, "refusal": str(refusal).splitlines()[0]}
         log.info("int8 tensors past verify.int8_* (recorded; accuracy judges this graph): %s", tensors["refusal"])
     return {"passed": True, "judged_by": "accuracy", "accuracy": accuracy, "tensors": tensors} | made
+
+
+def _verify_int8_served(subject: Subject, runtime: str) -> dict:
+    """int8's tensors verified as `runtime` serves the graph: onnxruntime on verify.providers, or OpenVINO (its
+    quantised products in int8, the float rest in float32)."""
+    if runtime != "openvino":
+        return _verify_reduced(subject, "int8")
+    session, copy = check_sessions.openvino_sessions(subject.path, "f32")
+    return _verify_reduced(subject, "int8", session, copy) | {"openvino": session.version}
 
 
 def _picture_feeds(built, path: Path, exporter: str):

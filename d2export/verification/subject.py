@@ -57,9 +57,17 @@ def served_manifest(built, graph: Path, exporter: str, precision: str = "") -> M
         outputs=_documented(graph_specs(model.graph.output), built.family.output_docs),
         opset=next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), exporter=exporter,
         sampler=e.sampler, custom_ops=custom_ops.graph_ops(model), precision=precision,
-        runtime="openvino" if precision == "bfloat16" else "onnxruntime", preprocess=preprocess,
+        runtime=serving_runtime(e, precision), preprocess=preprocess,
         postprocess=built.family.postprocess(built.d2cfg) | built.charset
         | ({"in_graph": True} if e.postprocess == "graph" else {}))
+
+
+def serving_runtime(e, precision: str) -> str:
+    """What serves a graph of `precision` that export config `e` writes: OpenVINO for bfloat16, and for int8 where
+    export.runtime says so; onnxruntime for the rest, the float32 graph a reduced one is judged against included."""
+    if precision == "bfloat16" or (precision == "int8" and e.runtime == "openvino"):
+        return "openvino"
+    return "onnxruntime"
 
 
 def _documented(specs: list, docs: dict[str, str]) -> list:
