@@ -225,14 +225,15 @@ def main(argv=None) -> int:
     holder = None if args.out else tempfile.TemporaryDirectory(prefix="d2export_precision_")
     out = Path(args.out or holder.name)
     print("ratios: the median of the rounds' own ratios (the range across rounds in brackets)")
-    print(f"\n{'model':10s} {'precision':10s} {'ms':>8s} {'x float32':>19s} {'x eager':>19s}   served vs float32's")
+    width = max(map(len, ["precision", *precisions]))
+    print(f"\n{'model':10s} {'precision':{width}s} {'ms':>8s} {'x float32':>19s} {'x eager':>19s}   served vs float32's")
     for model in args.models:
         result = measure(model, precisions, args.size, args.threads, args.rounds, args.pictures, out)
         times = result["times"]
         for name, seconds in times.items():
             vs32 = _ratio(times, "fp32", name) if "fp32" in times else f"{'-':>19s}"
             said = ", ".join(f"{k} {v:.1f}" for k, v in result["agreement"].get(name, {}).items())
-            print(f"{model:10s} {name:10s} {1000 * statistics.median(seconds):8.0f} {vs32} "
+            print(f"{model:10s} {name:{width}s} {1000 * statistics.median(seconds):8.0f} {vs32} "
                   f"{_ratio(times, 'eager', name)}   {said}", flush=True)
     return 0
 
