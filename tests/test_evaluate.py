@@ -305,3 +305,15 @@ def test_the_table_states_latency_and_threads():
     assert "-0.50" in text and "0.40x" in text
     assert text.splitlines()[-2].split()[-3:] == ["100.0", "40.0", "0.40x"]
     assert text.splitlines()[-1].split()[-2:] == ["2", "2"]
+    assert "int8 (int8)" in text.splitlines()[0]  # served by onnxruntime: not said
+
+
+def test_a_run_served_by_openvino_says_so_in_its_column():
+    from d2export.evaluating.evaluate import table
+
+    reference = Run("PyTorch", "float32", {"bbox/AP": 50.0}, [], latency_ms=100.0, threads=2)
+    runs = [reference, Run("int8-openvino", "int8", {"bbox/AP": 49.5}, [], latency_ms=40.0, threads=2,
+                           runtime="openvino"),
+            Run("int8-static", "int8", {"bbox/AP": 49.0}, [], latency_ms=50.0, threads=2, runtime="onnxruntime")]
+    heads = table(runs, reference).splitlines()[0]
+    assert "int8-openvino (int8, openvino)" in heads and "int8-static (int8) " in heads

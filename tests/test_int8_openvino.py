@@ -108,3 +108,16 @@ def test_int8_held_to_accuracy_serves_through_openvino(text_pictures, labelled_t
         export("textdet_micro", tmp_path, *STATIC, f"export.calibration={text_pictures}",
                f"verify.int8_accuracy={labelled_text}")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
+
+
+def test_d2export_evaluate_serves_int8_openvino_through_openvino(text_pictures, labelled_text):
+    """`d2export evaluate --precision int8-openvino`: the graph is exported for OpenVINO and served by it, and the
+    report says so."""
+    from d2export.evaluating.evaluate import evaluate
+
+    report = evaluate([], dataset=str(labelled_text), config="textdet_micro", precisions=["int8-openvino"], threads=1,
+                      overrides=["export.sampler=fused", f"export.calibration={text_pictures}",
+                                 "export.calibration_count=8", "verify.batch=false", "export.lint=false"])
+    pytorch, served = report["runs"]
+    assert (served["name"], served["precision"], served["runtime"]) == ("int8-openvino", "int8", "openvino")
+    assert served["metrics"]["text/e2e_hmean"] > 0 and pytorch["runtime"] == ""

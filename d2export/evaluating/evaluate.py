@@ -50,7 +50,7 @@ def check_family(path: Path, family) -> None:
 # the report -----------------------------------------------------------------------------------------------------
 def table(runs, reference) -> str:
     names = list(dict.fromkeys(k for r in runs for k in r.metrics))
-    heads = ["metric"] + [f"{r.name} ({r.precision})" if r is not reference else r.name for r in runs]
+    heads = ["metric"] + [r.label if r is not reference else r.name for r in runs]
     heads += [f"Δ {r.name}" for r in runs if r is not reference]
     rows = []
     for k in names:
@@ -140,7 +140,7 @@ def plot(path: Path, runs) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in runs:
         ax.scatter(r.latency_ms, r.metrics[metric], s=40)
-        ax.annotate(f"{r.name} ({r.precision})", (r.latency_ms, r.metrics[metric]), textcoords="offset points",
+        ax.annotate(r.label, (r.latency_ms, r.metrics[metric]), textcoords="offset points",
                     xytext=(5, 5), fontsize=8)
     ax.set_xlabel(f"ms per picture (median, {runs[0].threads} CPU threads)")
     ax.set_ylabel(metric)
@@ -237,7 +237,7 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
     reference = runs[0]
     report = {"dataset": name, "pictures": len(records), "evaluator": kind, "tasks": list(tasks),
               "runs": [{"name": r.name, "precision": r.precision, "model": r.model, "metrics": r.metrics,
-                        "latency_ms": r.latency_ms, "threads": r.threads} for r in runs],
+                        "latency_ms": r.latency_ms, "threads": r.threads, "runtime": r.runtime} for r in runs],
               "cpu": describe_cpu(),
               "comparisons": [compare(reference, r, records) for r in runs[1:]]}
     print(table(runs, reference))

@@ -30,6 +30,13 @@ class Run:
     model: str = ""
     latency_ms: float = math.nan  # median per picture of the model's call: eager forward, or the predictor's predict
     threads: int = 0  # the CPU threads it ran on (torch's, or onnxruntime's intra-op)
+    runtime: str = ""  # what served it: the manifest's (onnxruntime, openvino); "" for PyTorch
+
+    @property
+    def label(self) -> str:
+        """How tables and plots name it: its name, precision and, where not onnxruntime, the runtime serving it."""
+        said = ", ".join(x for x in (self.precision, self.runtime) if x and x != "onnxruntime")
+        return f"{self.name} ({said})" if said else self.name
 
 
 def median_ms(seconds: Sequence[float]) -> float:
@@ -151,7 +158,7 @@ def onnx_run(model_path: Path, records: Sequence[dict], make_evaluator: Callable
         predictions.append(by_score(prediction))
         evaluator.process([record], [to_outputs(prediction, post)])
     return Run(model_path.parent.name, predictor.manifest.precision, flatten(evaluator.evaluate()), predictions,
-               str(model_path), median_ms(seconds), threads)
+               str(model_path), median_ms(seconds), threads, predictor.manifest.runtime)
 
 
 def _points(instances: Sequence[Instance]) -> list[np.ndarray]:
