@@ -226,7 +226,8 @@ def main(argv=None) -> int:
     out = Path(args.out or holder.name)
     print("ratios: the median of the rounds' own ratios (the range across rounds in brackets)")
     width = max(map(len, ["precision", *precisions]))
-    print(f"\n{'model':10s} {'precision':{width}s} {'ms':>8s} {'x float32':>19s} {'x eager':>19s}   served vs float32's")
+    print(f"\n{'model':10s} {'precision':{width}s} {'ms':>8s} {'x float32':>19s} {'x eager':>19s}   "
+          "served vs float32's")
     for model in args.models:
         result = measure(model, precisions, args.size, args.threads, args.rounds, args.pictures, out)
         times = result["times"]

@@ -266,7 +266,7 @@ def resolve(cfg: Any) -> D2ExportConfig:
     if sum(map(bool, (e.int8, e.fp16, e.bf16))) > 1:
         raise ConfigError("export." + " and export.".join(k for k in ("fp16", "int8", "bf16") if getattr(e, k))
                           + " both set: a graph has one precision")
-    _runtime_chosen(e)
+    _runtime_chosen(e, v.enabled)
     if e.bf16:
         _bf16_servable(e, v.enabled)
     elif v.bf16_accuracy:
@@ -320,7 +320,7 @@ def _same_place(a: str, b: str) -> bool:
     return a == b or Path(a).resolve() == Path(b).resolve()
 
 
-def _runtime_chosen(e: ExportConfig) -> None:
+def _runtime_chosen(e: ExportConfig, verifying: bool) -> None:
     """export.runtime: OpenVINO serves bfloat16 and, when asked, int8; onnxruntime the rest (float32 through OpenVINO
     measured 1.04-1.07x onnxruntime's: not worth a second float32 path). Each refusal in one line."""
     _one_of("export.runtime", e.runtime, ("", "onnxruntime", "openvino"))
@@ -333,24 +333,33 @@ def _runtime_chosen(e: ExportConfig) -> None:
         raise ConfigError("export.runtime=openvino serves int8 and bfloat16 graphs (export.int8, export.bf16); "
                           f"a {'float16' if e.fp16 else 'float32'} graph is served by onnxruntime: leave "
                           "export.runtime empty")
-    _openvino_loads(e, "export.runtime=openvino")
+    _openvino_loads(e, "export.runtime=openvino", verifying)
 
 
-def _openvino_loads(e: ExportConfig, what: str) -> None:
+def _openvino_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("openvino") is not None
+
+
+def _openvino_loads(e: ExportConfig, what: str, verifying: bool) -> None:
     """A graph OpenVINO loads: written for onnxruntime, no TensorRT operator (the fused one through d2export's
-    extension)."""
+    extension); verified as OpenVINO serves it, so OpenVINO is installed, said before anything is built."""
     if e.target != "onnxruntime":
         raise ConfigError(f"{what} with export.target={e.target}: OpenVINO serves on the CPU; use "
                           "export.target=onnxruntime (for TensorRT: export.fp16=true)")
     if e.sampler not in ("fused", "gather", "grid_sample", "pytorch", "auto"):
         raise ConfigError(f"{what} with export.sampler={e.sampler}: OpenVINO cannot load that operator; use "
                           "export.sampler=fused (or gather, grid_sample)")
+    if verifying and not _openvino_installed():
+        raise ConfigError(f"{what} is verified as OpenVINO serves it and needs the openvino package: pip install "
+                          "'d2export[openvino]' (or verify.enabled=false, to serve it where OpenVINO is)")
 
 
 def _bf16_servable(e: ExportConfig, verifying: bool) -> None:
     """export.bf16: a graph OpenVINO loads, verified as served on a CPU with bfloat16 instructions; each refusal in
     one line."""
-    _openvino_loads(e, "export.bf16")
+    _openvino_loads(e, "export.bf16", verifying)
     if verifying:  # verification serves the graph in bfloat16 here
         from d2export.runtime.openvino_session import Bf16Unavailable, require_bf16
 

@@ -32,6 +32,18 @@ def test_runtime_settings_are_checked_up_front(overrides, says):
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("precision", [["export.int8=dynamic", "export.runtime=openvino"], ["export.bf16=true"]])
+def test_a_graph_verified_through_openvino_needs_it_installed_and_says_so_up_front(precision, monkeypatch):
+    from d2export import config, cpu
+
+    monkeypatch.setattr(config, "_openvino_installed", lambda: False)
+    monkeypatch.setattr(cpu, "cpu_features", lambda: ["avx2", "avx512_bf16"])  # bf16's own check passes
+    with pytest.raises(ConfigError, match=r"needs the openvino package: pip install 'd2export\[openvino\]'") as no:
+        load("textdet_tiny", precision + ["export.output_dir=/nonexistent"])
+    assert "\n" not in str(no.value)
+    assert load("textdet_tiny", precision + ["export.output_dir=/nonexistent", "verify.enabled=false"])
+
+
 @pytest.fixture(scope="module")
 def openvino_int8(text_pictures, tmp_path_factory):
     out = tmp_path_factory.mktemp("openvino_int8")
@@ -56,7 +68,7 @@ def test_an_int8_export_verifies_as_openvino_serves_it_and_the_predictor_serves_
     predictor = Predictor(path, threads=1)
     assert isinstance(predictor.session, OpenVINOSession) and predictor.session.precision == "f32"
     assert predictor.metadata()["providers"] == [openvino_session.PROVIDER]
-    with pytest.raises(ProviderUnavailable, match="int8 graph served by OpenVINO on the CPU") as refused:
+    with pytest.raises(ProviderUnavailable, match="its int8 graph is served by OpenVINO on the CPU") as refused:
         Predictor(path, providers=["cuda"])
     assert "\n" not in str(refused.value)
 

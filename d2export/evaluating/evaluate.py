@@ -283,8 +283,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="", help="with --config: also export it at each of these precisions "
                     "and evaluate them, comma-separated: fp32, fp16, int8 (dynamic), int8-static (give "
                     "export.calibration=FOLDER), int8-heads (int8-static with export.int8_recipe=heads: give "
-                    "verify.int8_accuracy=FOLDER too), int8-openvino and int8-heads-openvino (those two served by OpenVINO), bf16 "
-                    "(OpenVINO, on a CPU with AVX512-BF16 or AMX) (default: none)")
+                    "verify.int8_accuracy=FOLDER too), int8-openvino and int8-heads-openvino (those two served by "
+                    "OpenVINO), bf16 (OpenVINO, on a CPU with AVX512-BF16 or AMX) (default: none)")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads of every run, PyTorch and onnxruntime "
                     "alike (default: 0, torch's count)")
     ap.add_argument("--plot", default=None, metavar="FILE", help="draw accuracy against latency there (default: "

@@ -87,8 +87,8 @@ class Predictor(Processing):
         hint (what is quantised runs in int8). Refused in one line where another provider is asked for."""
         asked = [PROVIDERS.get(p.lower(), p) for p in providers]
         if any(p != PROVIDERS["cpu"] for p in asked) or cuda_graph:
-            raise ProviderUnavailable(f"{self.model_path.name} is a {self.manifest.precision} graph served by OpenVINO "
-                                      "on the CPU: serve it with the cpu provider (for a GPU, export float16: "
+            raise ProviderUnavailable(f"{self.model_path.name}: its {self.manifest.precision} graph is served by "
+                                      "OpenVINO on the CPU: serve it with the cpu provider (for a GPU, export float16: "
                                       "export.fp16=true)")
         precision = "bf16" if self.manifest.precision == "bfloat16" else "f32"
         if precision == "bf16":
