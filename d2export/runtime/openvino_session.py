@@ -20,7 +20,8 @@ from d2export.runtime.model_loading import ORT_TYPE_NAMES
 from d2export.runtime.providers import ProviderUnavailable
 
 BF16_FEATURES = ("avx512_bf16", "amx_bf16")  # d2export.cpu's names of the instructions OpenVINO's bf16 kernels use
-PRECISIONS = {"float32": "f32", "f32": "f32", "bfloat16": "bf16", "bf16": "bf16"}  # ours or OpenVINO's → OpenVINO's
+# ours or OpenVINO's → OpenVINO's hint; an int8 graph's quantised products run in int8 at "f32", the rest in float32
+PRECISIONS = {"float32": "f32", "f32": "f32", "int8": "f32", "bfloat16": "bf16", "bf16": "bf16"}
 PROVIDER = "OpenVINO CPU"  # what `get_providers` answers: the Predictor's metadata and verification's record
 INSTALL = "pip install 'd2export[openvino]'"
 

@@ -90,8 +90,8 @@ class Predictor(Processing):
             raise ProviderUnavailable(f"{self.model_path.name}: its {self.manifest.precision} graph is served by "
                                       "OpenVINO on the CPU: serve it with the cpu provider (for a GPU, export float16: "
                                       "export.fp16=true)")
-        precision = "bf16" if self.manifest.precision == "bfloat16" else "f32"
-        if precision == "bf16":
+        precision = self.manifest.precision
+        if precision == "bfloat16":
             openvino_session.require_bf16(what=f"{self.model_path.name} (precision bfloat16, served by OpenVINO)")
         self.providers, self.bound, self.msda_kernel = [openvino_session.PROVIDER], None, None
         try:

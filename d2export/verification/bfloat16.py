@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 from d2export import progress
-from d2export.verification import check_sessions, comparison
-from d2export.verification.reduced_precision import _verify_reduced
+from d2export.verification import comparison
+from d2export.verification.reduced_precision import verify_as_served
 from d2export.verification.subject import Subject
 
 log = logging.getLogger("d2export")
@@ -40,8 +40,7 @@ def verify_bfloat16(subject: Subject) -> dict:
 
 def _verify_tensors(subject: Subject, threads: int) -> dict:
     progress.step(5, "verifying as served in bfloat16", f"OpenVINO, INFERENCE_PRECISION_HINT=bf16, {threads} threads")
-    session, copy = check_sessions.openvino_sessions(subject.path, "bf16")
-    return _verify_reduced(subject, "bfloat16", session, copy) | {"openvino": session.version}
+    return verify_as_served(subject, "bfloat16")
 
 
 def _held_to_accuracy(subject: Subject) -> dict:

@@ -31,8 +31,8 @@ def session(path: Path, providers, precision: str = "float32"):
 
 
 def openvino_sessions(path: Path, precision: str):
-    """The graph as OpenVINO serves it at `precision` ("f32": float32, and an int8 graph's quantised products in int8;
-    "bf16") on as many threads as the eager references, and its selecting copy on the same: (session, copy)."""
+    """The graph of `precision` (the manifest's: "int8", "bfloat16") as OpenVINO serves it, on as many threads as the
+    eager references, and its selecting copy on the same: (session, copy)."""
     import torch
 
     from d2export.runtime import openvino_session

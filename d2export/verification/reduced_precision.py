@@ -74,22 +74,22 @@ def quantise_to_int8(subject: Subject) -> dict:
     if not subject.cases:
         return {"passed": None} | made
     if not judged:
-        return _verify_int8_served(subject, runtime) | made
+        return verify_as_served(subject, "int8") | made
     try:  # recorded: what users receive was judged above
-        tensors = _verify_int8_served(subject, runtime)
+        tensors = verify_as_served(subject, "int8")
     except comparison.VerificationError as refusal:
         tensors = {"passed": False, "refusal": str(refusal).splitlines()[0]}
         log.info("int8 tensors past verify.int8_* (recorded; accuracy judges this graph): %s", tensors["refusal"])
     return {"passed": True, "judged_by": "accuracy", "accuracy": accuracy, "tensors": tensors} | made
 
 
-def _verify_int8_served(subject: Subject, runtime: str) -> dict:
-    """int8's tensors verified as `runtime` serves the graph: onnxruntime on verify.providers, or OpenVINO (its
-    quantised products in int8, the float rest in float32)."""
-    if runtime != "openvino":
-        return _verify_reduced(subject, "int8")
-    session, copy = check_sessions.openvino_sessions(subject.path, "f32")
-    return _verify_reduced(subject, "int8", session, copy) | {"openvino": session.version}
+def verify_as_served(subject: Subject, precision: str) -> dict:
+    """The graph at `precision` verified as the runtime the manifest names serves it (serving_runtime): onnxruntime
+    on verify.providers, or OpenVINO (bfloat16; int8 with export.runtime=openvino), its version recorded."""
+    if serving_runtime(subject.built.cfg.export, precision) != "openvino":
+        return _verify_reduced(subject, precision)
+    session, copy = check_sessions.openvino_sessions(subject.path, precision)
+    return _verify_reduced(subject, precision, session, copy) | {"openvino": session.version}
 
 
 def _picture_feeds(built, path: Path, exporter: str):
