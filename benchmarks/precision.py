@@ -88,7 +88,7 @@ def bf16_refusal() -> str | None:
     except ImportError as e:
         return f"OpenVINO is not installed ({e.name})"
     try:
-        require_bf16(what="bfloat16", instead="not measured")
+        require_bf16(what="bfloat16", instead="its rows are left out")
     except Bf16Unavailable as e:
         return str(e)
     return None
