@@ -46,7 +46,8 @@ def test_bf16_supported_reads_the_cpu_features():
     (["verify.bf16_accuracy=held"], "verify.bf16_accuracy judges a bfloat16 graph: set export.bf16=true"),
     (["export.bf16=true", "verify.bf16_accuracy=held", "verify.bf16_max_drop=-1"], "bf16_max_drop"),
 ])
-def test_bf16_settings_are_checked_up_front(overrides, says):
+def test_bf16_settings_are_checked_up_front(overrides, says, monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_features", lambda: ["avx2", "avx512f", "avx512_bf16"])  # the settings, on any CPU
     with pytest.raises(ConfigError, match=says) as refused:
         load("textdet_tiny", overrides + ["export.output_dir=/nonexistent"])
     assert "\n" not in str(refused.value)

@@ -94,6 +94,8 @@ def test_testr_pytorch_and_onnx_side_by_side(tiny_export, sets, tmp_path):
     assert torch_run["metrics"]["text/detections"] > 0  # seeded weights: detections, at random places
     agree(torch_run["metrics"], onnx_run["metrics"], rel=0, abs_=0)
     assert report["comparisons"][0]["differing_pictures"] == 0
+    assert report["comparisons"][0]["intervals"] == {f"text/{k}": {"delta": 0.0, "low": 0.0, "high": 0.0}
+                                                     for k in ("det_hmean", "e2e_hmean")}
 
     # a user's evaluator, and the PyTorch column equal to detectron2's own inference_on_dataset with it
     theirs = evaluate([str(model.parent)], dataset=str(sets[0]), config="textdet_tiny",
@@ -117,6 +119,7 @@ def test_rcnn_coco_metrics_side_by_side_and_as_detectron2_counts_them(rcnn_expor
     assert {"bbox/AP", "bbox/AP50", "bbox/AP-star"} <= torch_run["metrics"].keys()
     agree(torch_run["metrics"], onnx_run["metrics"])
     assert report["comparisons"][0]["differing_pictures"] == 0
+    assert "intervals" not in report["comparisons"][0]  # AP is not a sum over pictures: no bootstrap of it here
     own = detectron2_own("rcnn", report["dataset"],
                          lambda built: COCOEvaluator(report["dataset"], tasks=("bbox",), distributed=False))
     agree({f"bbox/{k}": v for k, v in own["bbox"].items()}, torch_run["metrics"], rel=0, abs_=0)
@@ -287,6 +290,10 @@ def test_each_precision_gets_a_column_with_its_latency(sets, tmp_path):
     assert all(r["latency_ms"] > 0 and r["threads"] == 1 for r in report["runs"])
     agree(torch_run["metrics"], fp32["metrics"], rel=0, abs_=0)
     assert fp16["metrics"].keys() == fp32["metrics"].keys() and report["cpu"]
+    for c, run in zip(report["comparisons"], (fp32, fp16)):  # each difference with its interval (test_intervals.py)
+        assert c["intervals"].keys() == {"text/det_hmean", "text/e2e_hmean"}
+        for k, v in c["intervals"].items():
+            assert v["delta"] == pytest.approx(run["metrics"][k] - torch_run["metrics"][k], abs=1e-9)
     from PIL import Image
 
     assert Image.open(tmp_path / "plot.png").size[0] > 300

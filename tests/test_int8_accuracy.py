@@ -92,6 +92,7 @@ def test_a_graph_whose_tensors_move_past_int8s_tolerance_but_serves_the_same_is_
     assert set(a["metrics"]) == set(TEXT)
     for row in a["metrics"].values():
         assert row["float32"] > 0 and row["drop"] == 0.0 and row["int8"] == row["float32"]
+        assert row["interval"] == [0.0, 0.0]  # the same words served on every picture: nothing to be unsure of
     assert (tmp_path / manifest.model_file).is_file()
 
 
@@ -112,9 +113,12 @@ def test_a_graph_that_misreads_every_word_is_refused_and_nothing_is_written(labe
 
     monkeypatch.setattr(int8, "quantize", quantiser(misread_characters, "char_ids", []))
     with pytest.raises(held_out_accuracy.AccuracyError, match=r"text/e2e_hmean dropped more than "
-                                                              r"verify.int8_max_drop=1 point"):
+                                                              r"verify.int8_max_drop=1 point") as refused:
         export("textdet_micro", tmp_path, "export.int8=dynamic", f"verify.int8_accuracy={labelled_text}",
                "verify.batch=false", "export.lint=false")
+    e2e = next(line for line in str(refused.value).splitlines() if line.strip().startswith("text/e2e_hmean "))
+    low, high = (float(x) for x in e2e.split("95% interval [")[1].split("]")[0].split(", "))
+    assert low <= high < -1.0  # every word misread: no draw of the pictures brings it within the bound
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob("*.json"))
 
 

@@ -172,8 +172,9 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
     import importlib
 
     from d2export import families
-    from d2export.evaluating.evaluators import build_evaluator, evaluation_tasks
     from d2export.cpu import describe_cpu
+    from d2export.evaluating import intervals
+    from d2export.evaluating.evaluators import build_evaluator, evaluation_tasks
     from d2export.evaluating.runs import onnx_run, pytorch_run
     from d2export.manifest import Manifest, manifest_path
 
@@ -241,6 +242,11 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
               "cpu": describe_cpu(),
               "comparisons": [compare(reference, r, records) for r in runs[1:]]}
     print(table(runs, reference))
+    if kind == "text" and len(runs) > 1:  # how sure each difference is (intervals.py)
+        counts = [intervals.text_counts(r.predictions, records, name) for r in runs]
+        for c, r, own in zip(report["comparisons"], runs[1:], counts[1:]):
+            c["intervals"] = intervals.paired(counts[0], own)
+            print(intervals.line(r.name, c["intervals"], len(records)))
     for c, r in zip(report["comparisons"], runs[1:]):
         print(f"{r.name}: {c['differing_pictures']} of {c['pictures']} pictures differ from {c['against']}"
               + "".join(f"\n  {Path(w['picture']).name}: {w['difference']}" for w in c["worst"]))

@@ -41,10 +41,22 @@ def ground_truth_words(record: dict, voc_size: int) -> list[Word]:
     return words
 
 
-def detected_words(instances, post: dict[str, Any]) -> list[tuple[float, Word]]:
-    """A model's Instances as the text evaluator reads them: (score, Word) for each detection with an outline."""
+def prediction_words(prediction) -> list[tuple[float, Word]]:
+    """A Prediction as the text evaluator reads it: (score, Word) for each detection with an outline."""
     return [(i.score, Word(np.asarray(i.boundary or i.polygon, np.float64).reshape(-1, 2), i.text or ""))
-            for i in to_prediction(instances.to("cpu"), post).instances if (i.boundary or i.polygon)]
+            for i in prediction.instances if (i.boundary or i.polygon)]
+
+
+def detected_words(instances, post: dict[str, Any]) -> list[tuple[float, Word]]:
+    """A model's Instances as the text evaluator reads them."""
+    return prediction_words(to_prediction(instances.to("cpu"), post))
+
+
+def voc_size(dataset_name: str) -> int:
+    """The character-set size a text set's `rec` ids are written in (its metadata's, AdelaiDet's 96 by default)."""
+    from detectron2.data import MetadataCatalog
+
+    return int(getattr(MetadataCatalog.get(dataset_name), "voc_size", 96))
 
 
 class TextSpottingEvaluator(DatasetEvaluator):
@@ -55,10 +67,10 @@ class TextSpottingEvaluator(DatasetEvaluator):
     a score-threshold sweep from one run of a model whose own threshold is at or below the lowest."""
 
     def __init__(self, dataset_name: str, post: dict[str, Any], thresholds=()):
-        from detectron2.data import DatasetCatalog, MetadataCatalog
+        from detectron2.data import DatasetCatalog
 
-        voc_size = int(getattr(MetadataCatalog.get(dataset_name), "voc_size", 96))
-        self._truth = {r["image_id"]: ground_truth_words(r, voc_size) for r in DatasetCatalog.get(dataset_name)}
+        size = voc_size(dataset_name)
+        self._truth = {r["image_id"]: ground_truth_words(r, size) for r in DatasetCatalog.get(dataset_name)}
         self._post = post
         self._thresholds = tuple(thresholds)
         self.reset()

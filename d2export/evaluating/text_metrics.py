@@ -41,18 +41,25 @@ class Counts:
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def summary(self) -> dict[str, float]:
-        def ratio(a: int, b: int) -> float:
-            return 100.0 * a / b if b else 0.0
+        """The figures, in percent. Fields may also be arrays (one set of counts per bootstrap draw,
+        `intervals.py`): each figure is then an array, by the same rule."""
+        def ratio(a, b):
+            b = np.asarray(b, np.float64)
+            return np.divide(100.0 * np.asarray(a), b, out=np.zeros_like(b), where=b > 0)
 
-        def hmean(p: float, r: float) -> float:
-            return 2 * p * r / (p + r) if p + r else 0.0
+        def hmean(p, r):
+            return np.divide(2 * p * r, p + r, out=np.zeros_like(p), where=p + r > 0)
 
         dp, dr = ratio(self.matched, self.detections), ratio(self.matched, self.words)
         ep, er = ratio(self.read, self.detections), ratio(self.read, self.words)
-        return {"det_precision": dp, "det_recall": dr, "det_hmean": hmean(dp, dr),
-                "e2e_precision": ep, "e2e_recall": er, "e2e_hmean": hmean(ep, er),
-                "char_accuracy": ratio(self.chars - self.char_errors, self.chars),
-                "words": self.words, "detections": self.detections}
+        figures = {"det_precision": dp, "det_recall": dr, "det_hmean": hmean(dp, dr),
+                   "e2e_precision": ep, "e2e_recall": er, "e2e_hmean": hmean(ep, er),
+                   "char_accuracy": ratio(np.asarray(self.chars) - self.char_errors, self.chars)}
+        figures = {k: float(v) if np.ndim(v) == 0 else v for k, v in figures.items()}
+        return figures | {"words": self.words, "detections": self.detections}
+
+    def as_row(self) -> list[int]:
+        return [getattr(self, f.name) for f in fields(self)]
 
 
 def edits(a: str, b: str) -> int:

@@ -81,6 +81,21 @@ def served_run(subject: Subject, held: HeldOut, graph: Path, precision: str) -> 
     return run
 
 
+def _intervals(reference: Run, run: Run, held: HeldOut) -> dict[str, dict[str, float]]:
+    """The paired bootstrap's interval of each difference (evaluating/intervals.py), where the evaluator's figures
+    are sums over pictures (text) and both runs kept their predictions; else none."""
+    if held.evaluator != "text" or not len(held.records) == len(reference.predictions) == len(run.predictions):
+        return {}
+    from d2export.evaluating import intervals
+
+    counts = [intervals.text_counts(r.predictions, held.records, held.dataset) for r in (reference, run)]
+    return intervals.paired(*counts)
+
+
+def _interval_said(row: dict) -> str:
+    return f"  95% interval [{row['interval'][0]:+.2f}, {row['interval'][1]:+.2f}]" if "interval" in row else ""
+
+
 def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
     """The record of `run`'s headline metrics against `reference`'s (the float32 graph's on the same pictures), or
     AccuracyError where one dropped more than `max_drop` points, or where the pictures cannot tell a right graph
@@ -96,15 +111,22 @@ def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
                             "a wrong one")
     rows = {m: {"float32": reference.metrics[m], run.precision: run.metrics.get(m, float("nan")),
                 "drop": reference.metrics[m] - run.metrics.get(m, float("nan"))} for m in headline}
+    for m, found in _intervals(reference, run, held).items():  # how sure each difference is: said, not judged
+        rows[m]["interval"] = [found["low"], found["high"]]
     lost = [m for m, r in rows.items() if not r["drop"] <= max_drop]  # NaN: lost too
     past = f"  past verify.{held.key}_max_drop"
     table = "\n".join(f"  {m:<16} float32 {r['float32']:6.2f}  {run.precision} {r[run.precision]:6.2f}  "
-                      f"{-r['drop']:+6.2f}{past if m in lost else ''}" for m, r in rows.items())
+                      f"{-r['drop']:+6.2f}{_interval_said(r)}{past if m in lost else ''}" for m, r in rows.items())
     if lost:
         raise AccuracyError(f"the {run.precision} graph serves less accurately than the float32 graph on {where}: "
                             f"{', '.join(lost)} dropped more than verify.{held.key}_max_drop={max_drop:g} "
                             f"point(s)\n{table}")
     log.info("%s held to accuracy on %s (at most %g point(s) lost):\n%s", run.precision, where, max_drop, table)
+    unsure = [m for m, r in rows.items() if "interval" in r and r["interval"][0] < -max_drop]
+    if unsure:
+        log.warning("%s: these %d pictures cannot rule out a loss past %g point(s) (%s): more labelled pictures "
+                    "narrow the interval", run.precision, len(held.records), max_drop,
+                    ", ".join(f"{m} down to {rows[m]['interval'][0]:+.2f}" for m in unsure))
     return {"passed": True, "dataset": held.dataset, "pictures": len(held.records), "evaluator": held.evaluator,
             "max_drop": max_drop, "metrics": rows}
 
