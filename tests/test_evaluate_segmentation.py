@@ -193,6 +193,45 @@ def test_outputs_and_predictions_are_mirror_images():
     assert difference(p, Prediction(6, 8, p.instances, semantic, panoptic, []))[1].startswith("panoptic segments")
 
 
+def test_per_picture_statistics_give_the_evaluators_own_miou_and_pq(labelled):
+    """The intervals' statistics (d2export/evaluating/intervals.py) summed over pictures give detectron2's
+    SemSegEvaluator's mIoU and the panoptic evaluator's PQ for the same predictions: the labels with, on every other
+    picture, the left half of the background called a bar and its largest segment dropped from the panoptic map."""
+    from d2export.evaluating import intervals
+    from d2export.evaluating.runs import Run
+
+    records = DatasetCatalog.get(NAME)
+    evaluator, truths, changed = SegmentationEvaluator(NAME), [], []
+    for k, record in enumerate(records):
+        out = truth_outputs(record)
+        truths.append(prediction_of(out, {"instance_on": False}))
+        if k % 2 == 0:
+            scores, (ids, segments) = out["sem_seg"].clone(), out["panoptic_seg"]
+            left = scores[6].bool().clone()
+            left[:, scores.shape[2] // 2:] = False
+            scores[6][left], scores[5][left] = 0.0, 1.0
+            largest = max(segments, key=lambda s: int((ids == s["id"]).sum()))
+            out = dict(out, sem_seg=scores, panoptic_seg=(torch.where(ids == largest["id"], 0, ids),
+                                                          [s for s in segments if s is not largest]))
+        evaluator.process([record], [out])
+        changed.append(prediction_of(out, {"instance_on": False}))
+    own = evaluator.evaluate()
+    assert own["sem_seg"]["mIoU"] < 90 and own["panoptic_seg"]["PQ"] < 99  # the change counts
+
+    found = intervals.measures("segmentation", NAME, evaluator.tasks, {"sem_seg/mIoU": 0, "panoptic_seg/PQ": 0})
+    assert len(found) == 2
+    stats = intervals.statistics(found, Run("x", "float32", {}, changed), records)
+    summed = {k: float(v[0]) for m, x in zip(found, stats) for k, v in m.figures(x.sum(0)[None]).items()}
+    assert summed == pytest.approx({"sem_seg/mIoU": own["sem_seg"]["mIoU"],
+                                    "panoptic_seg/PQ": own["panoptic_seg"]["PQ"]})
+    reference = intervals.statistics(found, Run("x", "float32", {}, truths), records)
+    diff = intervals.compared(found, reference, stats)
+    for name, value in (("sem_seg/mIoU", own["sem_seg"]["mIoU"]), ("panoptic_seg/PQ", own["panoptic_seg"]["PQ"])):
+        assert diff[name]["delta"] == pytest.approx(value - 100.0)
+        assert diff[name]["low"] <= diff[name]["delta"] <= diff[name]["high"] <= 0.0
+    assert intervals.compared(found, reference, reference)["sem_seg/mIoU"] == {"delta": 0.0, "low": 0.0, "high": 0.0}
+
+
 # --- a Mask2Former under PyTorch and as its graph ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def exported(labelled, tmp_path_factory):
@@ -222,6 +261,8 @@ def test_mask2former_pytorch_and_onnx_score_the_same(labelled, exported):
     for k, v in metrics.items():
         assert onnx_run["metrics"][k] == v or (math.isnan(v) and math.isnan(onnx_run["metrics"][k])), k
     assert report["comparisons"][0]["differing_pictures"] == 0
+    assert report["comparisons"][0]["intervals"] == {k: {"delta": 0.0, "low": 0.0, "high": 0.0}
+                                                     for k in ("sem_seg/mIoU", "panoptic_seg/PQ")}
 
     # the PyTorch column as detectron2's own test loader and inference_on_dataset count it, with its SemSegEvaluator
     own = detectron2_own()

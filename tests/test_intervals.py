@@ -10,30 +10,32 @@ from d2export.charset import charset, decode
 from d2export.datasets import generate, register
 from d2export.evaluating import intervals
 from d2export.evaluating.evaluators import TextSpottingEvaluator
+from d2export.evaluating.runs import Run
 from d2export.instances import Instance, Prediction
 
 # one row per picture: words, detections, matched, read, chars, char_errors (text_metrics.Counts)
 READ = [1, 1, 1, 1, 3, 0]  # one word of 3 characters, found and read
 MISREAD = [1, 1, 1, 0, 3, 3]  # found, every character wrong
+TEXT = intervals.text_figures
 
 
 def test_two_pictures_give_the_three_outcomes_worked_out_by_hand():
     """Pictures A (the other run misreads its word) and B (both read it). Drawn twice with replacement: AA (1/4) the
     other run reads 0 of 2 words, end-to-end -100; AB or BA (1/2) 1 of 2, -50; BB (1/4) 0. Each outcome holds over
     2.5% of the draws, so the 95% interval is [-100, 0]; on both pictures once, -50. Detection is the same: 0."""
-    found = intervals.paired(np.array([READ, READ]), np.array([MISREAD, READ]))
+    found = intervals.paired(np.array([READ, READ]), np.array([MISREAD, READ]), TEXT)
     assert found["text/e2e_hmean"] == {"delta": -50.0, "low": -100.0, "high": 0.0}
     assert found["text/det_hmean"] == {"delta": 0.0, "low": 0.0, "high": 0.0}
 
 
 def test_same_runs_differ_by_nothing_and_the_interval_narrows_with_pictures():
     same = np.array([READ, MISREAD, READ])
-    assert intervals.paired(same, same)["text/e2e_hmean"] == {"delta": 0.0, "low": 0.0, "high": 0.0}
+    assert intervals.paired(same, same, TEXT)["text/e2e_hmean"] == {"delta": 0.0, "low": 0.0, "high": 0.0}
     widths = []
     for repeat in (10, 40):  # the same share of misread words (1 in 5), on 4x the pictures
         reference = np.array([READ] * 5 * repeat)
         other = np.array(([MISREAD] + [READ] * 4) * repeat)
-        f = intervals.paired(reference, other)["text/e2e_hmean"]
+        f = intervals.paired(reference, other, TEXT)["text/e2e_hmean"]
         assert f["delta"] == pytest.approx(-20.0) and f["low"] < -20.0 < f["high"]
         widths.append(f["high"] - f["low"])
     assert 0.35 < widths[1] / widths[0] < 0.65  # about 1/sqrt(4)
@@ -48,7 +50,7 @@ def test_each_draw_takes_as_many_pictures_as_there_are():
 
 def test_runs_over_other_pictures_are_refused():
     with pytest.raises(ValueError, match="same pictures"):
-        intervals.paired(np.array([READ]), np.array([READ, READ]))
+        intervals.paired(np.array([READ]), np.array([READ, READ]), TEXT)
 
 
 def test_per_picture_counts_sum_to_what_the_text_evaluator_reports(tmp_path):
@@ -75,7 +77,7 @@ def test_per_picture_counts_sum_to_what_the_text_evaluator_reports(tmp_path):
             inst.polygons = torch.tensor([a["polys"] for a in anns] or torch.zeros(0, 32), dtype=torch.float32)
             inst.texts = texts
             evaluator.process([r], [{"instances": inst}])
-        counts = intervals.text_counts(predictions, records, name)
+        counts = intervals.statistics([intervals.text_measure(name)], Run("x", "float32", {}, predictions), records)[0]
         assert counts.shape == (3, 6) and counts[2, 1] == 0  # the last picture: no detections
         own = evaluator.evaluate()["text"]
         summed = intervals.Counts(*counts.sum(0)).summary()
@@ -89,7 +91,6 @@ def test_the_accuracy_gate_records_each_interval_and_says_when_its_pictures_cann
                                                                                                     caplog):
     """verify.int8_accuracy: the verdict stays the point difference's (within the bound: written); the record holds
     the interval, and an interval reaching past the bound is said in the log."""
-    from d2export.evaluating.runs import Run
     from d2export.verification import held_out_accuracy as h
 
     held = h.HeldOut("held", [{}] * 20, "text", ())

@@ -242,10 +242,11 @@ def evaluate(models: Sequence[str], dataset: str | None = None, config: str | No
               "cpu": describe_cpu(),
               "comparisons": [compare(reference, r, records) for r in runs[1:]]}
     print(table(runs, reference))
-    if kind == "text" and len(runs) > 1:  # how sure each difference is (intervals.py)
-        counts = [intervals.text_counts(r.predictions, records, name) for r in runs]
-        for c, r, own in zip(report["comparisons"], runs[1:], counts[1:]):
-            c["intervals"] = intervals.paired(counts[0], own)
+    found = intervals.measures(kind, name, tasks, reference.metrics) if len(runs) > 1 else []
+    if found:  # how sure each difference is (intervals.py)
+        stats = [intervals.statistics(found, r, records) for r in runs]
+        for c, r, own in zip(report["comparisons"], runs[1:], stats[1:]):
+            c["intervals"] = intervals.compared(found, stats[0], own)
             print(intervals.line(r.name, c["intervals"], len(records)))
     for c, r in zip(report["comparisons"], runs[1:]):
         print(f"{r.name}: {c['differing_pictures']} of {c['pictures']} pictures differ from {c['against']}"

@@ -121,7 +121,7 @@ class PanopticQualityEvaluator(DatasetEvaluator):
         meta = MetadataCatalog.get(dataset_name)
         things = set(meta.thing_dataset_id_to_contiguous_id.values())
         stuff = set(getattr(meta, "stuff_dataset_id_to_contiguous_id", {}).values())
-        self._categories = {c: c in things for c in sorted(things | stuff)}
+        self.categories = {c: c in things for c in sorted(things | stuff)}
         self._label_divisor = int(getattr(meta, "label_divisor", 1000))
         self._truth = {r["image_id"]: (r["pan_seg_file_name"], r["segments_info"])
                        for r in DatasetCatalog.get(dataset_name) if "pan_seg_file_name" in r}
@@ -131,24 +131,28 @@ class PanopticQualityEvaluator(DatasetEvaluator):
         self._stats: dict[int, pq.Stat] = {}
 
     def process(self, inputs, outputs) -> None:
+        for given, out in zip(inputs, outputs):
+            self._stats = pq.accumulate(self._stats, self.picture(given, out))
+
+    def picture(self, given: dict, out: dict) -> dict[int, pq.Stat]:
+        """One picture's statistics per category."""
         from PIL import Image
 
-        for given, out in zip(inputs, outputs):
-            ids, segments = out["panoptic_seg"]
-            ids = np.asarray(ids.cpu() if hasattr(ids, "cpu") else ids, np.int64)
-            if segments is None:  # detectron2's other convention (see the class's docstring)
-                segments = [{"id": int(i) + 1, "category_id": int(i) // self._label_divisor} for i in np.unique(ids)
-                            if i != -1]
-                ids = ids + 1
-            png, truth_segments = self._truth[given["image_id"]]
-            truth = pq.rgb_to_id(np.asarray(Image.open(png).convert("RGB")))
-            self._stats = pq.accumulate(self._stats, pq.count(truth, truth_segments, ids, segments))
+        ids, segments = out["panoptic_seg"]
+        ids = np.asarray(ids.cpu() if hasattr(ids, "cpu") else ids, np.int64)
+        if segments is None:  # detectron2's other convention (see the class's docstring)
+            segments = [{"id": int(i) + 1, "category_id": int(i) // self._label_divisor} for i in np.unique(ids)
+                        if i != -1]
+            ids = ids + 1
+        png, truth_segments = self._truth[given["image_id"]]
+        truth = pq.rgb_to_id(np.asarray(Image.open(png).convert("RGB")))
+        return pq.count(truth, truth_segments, ids, segments)
 
     def evaluate(self):
-        return OrderedDict(panoptic_seg=pq.summary(self._stats, self._categories))
+        return OrderedDict(panoptic_seg=pq.summary(self._stats, self.categories))
 
 
-def _read_labels(path: str, dtype=int) -> np.ndarray:
+def read_labels(path: str, dtype=int) -> np.ndarray:
     """A semantic ground-truth PNG as SemSegEvaluator reads it: its own reader asks numpy 2 for np.array(copy=False)
     of a Pillow image, which numpy 2 refuses."""
     from PIL import Image
@@ -209,7 +213,7 @@ class SegmentationEvaluator(DatasetEvaluator):
         self._parts: dict[str, DatasetEvaluator] = {}  # keyed by the output each reads
         if "sem_seg" in self.tasks:
             self._parts["sem_seg"] = SemSegEvaluator(dataset_name, distributed=False, output_dir=None,
-                                                     sem_seg_loading_fn=_read_labels)
+                                                     sem_seg_loading_fn=read_labels)
         if "panoptic_seg" in self.tasks:
             self._parts["panoptic_seg"] = PanopticQualityEvaluator(dataset_name)
         if "segm" in self.tasks:

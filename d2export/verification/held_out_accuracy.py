@@ -82,14 +82,14 @@ def served_run(subject: Subject, held: HeldOut, graph: Path, precision: str) -> 
 
 
 def _intervals(reference: Run, run: Run, held: HeldOut) -> dict[str, dict[str, float]]:
-    """The paired bootstrap's interval of each difference (evaluating/intervals.py), where the evaluator's figures
-    are sums over pictures (text) and both runs kept their predictions; else none."""
-    if held.evaluator != "text" or not len(held.records) == len(reference.predictions) == len(run.predictions):
+    """The paired bootstrap's interval of each difference (evaluating/intervals.py), for the figures that have one
+    (text, mIoU, PQ), where both runs kept their predictions; else none."""
+    if not len(held.records) == len(reference.predictions) == len(run.predictions):
         return {}
     from d2export.evaluating import intervals
 
-    counts = [intervals.text_counts(r.predictions, held.records, held.dataset) for r in (reference, run)]
-    return intervals.paired(*counts)
+    found = intervals.measures(held.evaluator, held.dataset, held.tasks, reference.metrics)
+    return intervals.compared(found, *(intervals.statistics(found, r, held.records) for r in (reference, run)))
 
 
 def _interval_said(row: dict) -> str:
