@@ -16,7 +16,7 @@ from d2export.config import ConfigError, load
 from d2export.runtime import openvino_session
 from d2export.runtime.openvino_session import Bf16Unavailable, OpenVINOSession, bf16_supported
 from exports import export
-from openvino_outputs import change_outputs
+from openvino_outputs import change_outputs, verified_through_openvino
 
 NEEDS_BF16 = pytest.mark.skipif(not bf16_supported(), reason="serving in bfloat16 needs a CPU with AVX512-BF16 or "
                                 f"AMX-BF16 (this one: {cpu.describe_cpu()})")
@@ -133,11 +133,7 @@ def test_a_bf16_export_verifies_as_served_and_the_predictor_serves_it_in_bf16(bf
     from d2export.runtime.predictor import Predictor
 
     manifest, path = bf16_export
-    assert (manifest.precision, manifest.runtime, manifest.sampler) == ("bfloat16", "openvino", "gather")
-    assert manifest.verification["passed"] is True  # the float32 graph first, through onnxruntime
-    v = manifest.verification["bf16"]
-    assert v["passed"] is True and v["runtime"] == "openvino" and v["providers"] == [openvino_session.PROVIDER]
-    assert v["provider_options"][openvino_session.PROVIDER]["INFERENCE_PRECISION_HINT"] == "bf16"
+    v = verified_through_openvino(manifest, "bfloat16", "bf16", "gather", "bf16")
     assert v["tolerances"]["probabilities"] == {"atol": 0.05, "rtol": 0.05} and v["tolerances"]["ids"]["atol"] == 0
     predictor = Predictor(path, threads=1)
     assert isinstance(predictor.session, OpenVINOSession) and predictor.session.precision == "bf16"

@@ -12,7 +12,7 @@ from d2export.config import ConfigError, load
 from d2export.runtime import openvino_session
 from d2export.runtime.openvino_session import OpenVINOSession
 from exports import export
-from openvino_outputs import change_outputs
+from openvino_outputs import change_outputs, verified_through_openvino
 
 STATIC = ("export.int8=static", "export.sampler=fused", "export.runtime=openvino", "export.calibration_count=8",
           "verify.batch=false", "export.lint=false")
@@ -58,11 +58,7 @@ def test_an_int8_export_verifies_as_openvino_serves_it_and_the_predictor_serves_
     from d2export.runtime.providers import ProviderUnavailable
 
     manifest, path = openvino_int8
-    assert (manifest.precision, manifest.runtime, manifest.sampler) == ("int8", "openvino", "fused")
-    assert manifest.verification["passed"] is True  # the float32 graph first, through onnxruntime
-    v = manifest.verification["int8"]
-    assert v["passed"] is True and v["runtime"] == "openvino" and v["providers"] == [openvino_session.PROVIDER]
-    assert v["provider_options"][openvino_session.PROVIDER]["INFERENCE_PRECISION_HINT"] == "f32"
+    v = verified_through_openvino(manifest, "int8", "int8", "fused", "f32")
     assert v["quantization"]["mode"] == "static" and v["quantization"]["quantized"] > 20
     assert any(n.op_type == "QuantizeLinear" for n in onnx.load(str(path)).graph.node)
     predictor = Predictor(path, threads=1)

@@ -14,7 +14,7 @@ none.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -47,7 +47,7 @@ def text_measure(dataset: str) -> Measure:
 
     def picture(prediction, record: dict) -> np.ndarray:
         words = [w for _, w in prediction_words(prediction)]
-        return np.array(count(ground_truth_words(record, size), words).as_row(), np.int64)
+        return np.array(astuple(count(ground_truth_words(record, size), words)), np.int64)
 
     return Measure(picture, text_figures)
 

@@ -58,9 +58,6 @@ class Counts:
         figures = {k: float(v) if np.ndim(v) == 0 else v for k, v in figures.items()}
         return figures | {"words": self.words, "detections": self.detections}
 
-    def as_row(self) -> list[int]:
-        return [getattr(self, f.name) for f in fields(self)]
-
 
 def edits(a: str, b: str) -> int:
     """Levenshtein distance (insertions, deletions, substitutions): a few lines for words of at most 25 characters
