@@ -106,3 +106,18 @@ def test_the_accuracy_gate_records_each_interval_and_says_when_its_pictures_cann
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "cannot rule out" in warned[0] and "text/e2e_hmean down to -2.10" in warned[0]
     assert "det_hmean" not in warned[0]
+    # the interval reaches 1.6 under the difference, which sits 0.5 inside the bound: (1.6 / 0.5)² x 20 pictures
+    assert "about 205 labelled pictures would" in warned[0]
+
+
+def test_a_difference_at_the_bound_gets_no_picture_count(monkeypatch, caplog):
+    from d2export.verification import held_out_accuracy as h
+
+    held = h.HeldOut("held", [{}] * 20, "text", ())
+    reference = Run("x", "float32", {"text/det_hmean": 80.0}, [])
+    run = Run("x", "int8", {"text/det_hmean": 79.0}, [])  # exactly max_drop lost: passes, but no margin is left
+    monkeypatch.setattr(h, "_intervals", lambda *a: {"text/det_hmean": {"delta": -1.0, "low": -1.5, "high": -0.5}})
+    with caplog.at_level("INFO", logger="d2export"):
+        assert h.judge(reference, run, 1.0, held)["passed"] is True
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "no number of pictures would" in warned[0]

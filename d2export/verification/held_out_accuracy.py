@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import shutil
 import sys
@@ -96,6 +97,13 @@ def _interval_said(row: dict) -> str:
     return f"  95% interval [{row['interval'][0]:+.2f}, {row['interval'][1]:+.2f}]" if "interval" in row else ""
 
 
+def _pictures_to_rule_out(row: dict, pictures: int, max_drop: float) -> float:
+    """How many pictures would bring the interval's low end inside -max_drop, the difference staying where it is
+    (a bootstrap interval narrows as one over the square root of the pictures); inf for a difference at the bound."""
+    below, room = -row["drop"] - row["interval"][0], max_drop - row["drop"]  # under the difference; to the bound
+    return math.ceil(pictures * (below / room) ** 2) if room > 0 else math.inf
+
+
 def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
     """The record of `run`'s headline metrics against `reference`'s (the float32 graph's on the same pictures), or
     AccuracyError where one dropped more than `max_drop` points, or where the pictures cannot tell a right graph
@@ -124,9 +132,11 @@ def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
     log.info("%s held to accuracy on %s (at most %g point(s) lost):\n%s", run.precision, where, max_drop, table)
     unsure = [m for m, r in rows.items() if "interval" in r and r["interval"][0] < -max_drop]
     if unsure:
-        log.warning("%s: these %d pictures cannot rule out a loss past %g point(s) (%s): more labelled pictures "
-                    "narrow the interval", run.precision, len(held.records), max_drop,
-                    ", ".join(f"{m} down to {rows[m]['interval'][0]:+.2f}" for m in unsure))
+        needed = max(_pictures_to_rule_out(rows[m], len(held.records), max_drop) for m in unsure)
+        log.warning("%s: these %d pictures cannot rule out a loss past %g point(s) (%s): %s", run.precision,
+                    len(held.records), max_drop, ", ".join(f"{m} down to {rows[m]['interval'][0]:+.2f}" for m in unsure),
+                    "no number of pictures would, the difference being at the bound" if math.isinf(needed) else
+                    f"about {needed} labelled pictures would, if the difference stays where it is")
     return {"passed": True, "dataset": held.dataset, "pictures": len(held.records), "evaluator": held.evaluator,
             "max_drop": max_drop, "metrics": rows}
 
