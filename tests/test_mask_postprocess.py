@@ -300,6 +300,34 @@ def test_nothing_found(kind, before):
             inst for inst in prediction.instances if inst.score >= 0.5]
 
 
+@pytest.mark.parametrize("originals", [ORIGINALS, [(67, 100), (50, 37)]])  # resized up, and down
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_semantic_scores_are_resized_only_at_class_borders(seed, originals, monkeypatch):
+    """Semantic results after inference (sem_seg_postprocess resizes K score maps, then the argmax): the argmax is
+    made at the graph's size, and an output pixel whose taps agree, decided, takes their class; only the others get
+    resized scores. Upstream's forward is matched with every pixel through resized scores and with the shortcut; the
+    borders are few, and matter: taking the first tap's class there is wrong."""
+    post = post_dict(False, panoptic=False, instance=False)
+    outputs = fake_outputs(seed, 2, (32, 40))
+    refs = reference(standin(), outputs, INPUTS, originals, post)
+
+    def pixels_off() -> list[int]:
+        return [differences(_mask_predictions.mask_prediction(outputs, i, INPUTS[i], originals[i], post), ref,
+                            INPUTS[i], originals[i], False)["semantic_pixels"] for i, ref in enumerate(refs)]
+
+    border, sure, resized = _mask_passes._border_classes, _mask_passes._sure, []
+    monkeypatch.setattr(_mask_passes, "_border_classes", lambda *a: resized.append(len(a[-1])) or border(*a))
+    assert pixels_off() == [0, 0]
+    assert 0 < sum(resized) < 0.3 * sum(h * w for h, w in originals)
+    monkeypatch.setattr(_mask_passes, "_sure", lambda semantic, ri, ci, first: np.zeros(first.shape, bool))
+    assert pixels_off() == [0, 0]  # every pixel resized
+    assert sum(resized[-2:]) == sum(h * w for h, w in originals)
+    monkeypatch.setattr(_mask_passes, "_sure", sure)
+    monkeypatch.setattr(_mask_passes, "_border_classes",
+                        lambda field, semantic, rows, cols, ys, xs: semantic.map[rows[0][ys, 0], cols[0][xs, 0]])
+    assert min(pixels_off()) > 0
+
+
 @pytest.mark.parametrize("before", [True, False])
 def test_results_in_bands_of_rows(before, monkeypatch):
     # a small budget: every result is made a few rows at a time, the bands on threads or one after the other, and

@@ -42,11 +42,9 @@ def _first_max(values) -> np.ndarray:
 class Upsampled:
     """A picture's mask logits [Q, H, W] as F.interpolate (bilinear, align_corners=False) makes them from the graph's
     [Q, h, w], made a band of rows at a time: the columns resized once, each band's rows from the few input rows it
-    reads. `after`: (rows, cols) taps resizing the mask probabilities once more (semantic postprocessing after
-    inference: the picture's corner of the padded size to the original), so `probs` bands are of that size."""
+    reads."""
 
-    def __init__(self, masks: np.ndarray, rows: Taps | None, cols: Taps | None,
-                 after: tuple[Taps | None, Taps | None] = (None, None)):
+    def __init__(self, masks: np.ndarray, rows: Taps | None, cols: Taps | None):
         masks = np.asarray(masks, np.float32)
         if cols is None:
             self.columns = masks  # [Q, h, W]
@@ -54,28 +52,30 @@ class Upsampled:
             self.columns = np.empty((*masks.shape[:-1], len(cols[0])), np.float32)
             parts = np.array_split(np.arange(len(masks)), min(len(masks), 8))
             _each(lambda q: _along(masks[q[0] : q[-1] + 1], cols, -1, self.columns[q[0] : q[-1] + 1]), parts)
-        self.rows, self.after = rows, after
+        self.rows = rows
         q, h, w = self.columns.shape
-        self.logits_hw = (h if rows is None else len(rows[0]), w)
-        arows, acols = after
-        self.shape = (q, self.logits_hw[0] if arows is None else len(arows[0]),
-                      w if acols is None else len(acols[0]))
+        self.shape = (q, h if rows is None else len(rows[0]), w)
 
     def logits(self, start: int, stop: int) -> np.ndarray:
         return _band(self.columns, self.rows, start, stop)
 
-    def probs(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Rows [start, stop) of the probabilities, and of the logits where they are the same size (no `after`)."""
-        rows, cols = self.after
-        if rows is None and cols is None:
-            logits = self.logits(start, stop)
-            return sigmoid(logits), logits
-        first, last = (start, stop) if rows is None else _reads(rows, start, stop)
-        probs = _along(sigmoid(self.logits(first, last)), cols, -1)
-        return _band(probs, rows, start, stop, first), None
+    def probs(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, stop) of the probabilities, and of the logits."""
+        logits = self.logits(start, stop)
+        return sigmoid(logits), logits
+
+    def at(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """[Q, n] logits of the pixels (rows[i], cols[i]), each summed as a band's rows are (_along)."""
+        if self.rows is None:
+            return self.columns[:, rows, cols]
+        index, weight = self.rows
+        out = self.columns[:, index[rows, 0], cols] * weight[rows, 0]
+        for j in range(1, index.shape[1]):
+            out += self.columns[:, index[rows, j], cols] * weight[rows, j]
+        return out
 
     def whole(self) -> np.ndarray:
-        return self.logits(0, self.logits_hw[0])
+        return self.logits(0, self.shape[1])
 
     def bands(self) -> list[tuple[int, int]]:
         q, h, w = self.shape
@@ -83,21 +83,13 @@ class Upsampled:
         return [(s, min(s + step, h)) for s in range(0, h, step)]
 
 
-def _reads(rows: Taps, start: int, stop: int) -> tuple[int, int]:
-    """The input rows [first, last) that output rows [start, stop) read."""
-    index = rows[0][start:stop]
-    return int(index.min()), int(index.max()) + 1
-
-
-def _band(x: np.ndarray, rows: Taps | None, start: int, stop: int, offset: int | None = None) -> np.ndarray:
-    """Output rows [start, stop) of resizing x [Q, h, W] along its rows; `offset`: x holds input rows from there on
-    (the rows the band reads, see _reads), else all of them."""
+def _band(x: np.ndarray, rows: Taps | None, start: int, stop: int) -> np.ndarray:
+    """Output rows [start, stop) of resizing x [Q, h, W] along its rows."""
     if rows is None:
-        return x[:, start:stop] if offset is None else x
+        return x[:, start:stop]
     index, weight = (t[start:stop] for t in rows)
-    first = int(index.min()) if offset is None else offset
-    part = x[:, first : int(index.max()) + 1] if offset is None else x
-    return _along(part, (index - first, weight), -2)
+    first = int(index.min())
+    return _along(x[:, first : int(index.max()) + 1], (index - first, weight), -2)
 
 
 def _masks_at(masks: np.ndarray, padded_hw: tuple[int, int], crop_hw: tuple[int, int] | None = None,
@@ -170,17 +162,87 @@ class _MaskScores:
 
 
 class _SemanticMap:
-    """semantic_inference's argmax (the first highest class, as torch's), a band at a time."""
+    """semantic_inference's argmax (the first highest class, as torch's), a band at a time; with `margins`, also
+    whether each pixel's class leads every other by more than float32 rounding can move a sum over the queries
+    (`decided`: the argmax of any weighted mean of such pixels' scores is theirs, see semantic_resized)."""
 
-    def __init__(self, classes: np.ndarray, hw: tuple[int, int]):
+    def __init__(self, classes: np.ndarray, hw: tuple[int, int], margins: bool = False):
         self.classes = np.asarray(classes, np.float32) * _LIFTED  # [Q, K]: Rules.semantic
         self.map = np.zeros(hw, np.int32)
+        self.decided = np.zeros(hw, bool) if margins else None
+        # a sum of Q positive float32 terms is within Q units in the last place of its exact value, however summed:
+        # two classes' sums, ours and upstream's, differ by at most four times that
+        self.tolerance = np.float32(4 * len(self.classes) * 2.0 ** -24)
+
+    def scores(self, probs: np.ndarray) -> np.ndarray:
+        """[Q, n] mask probabilities → [n, K] class scores (lifted): the argmax along contiguous memory."""
+        return (probs * _LIFTED).T @ self.classes
 
     def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray | None) -> None:
         q, rows, w = probs.shape
-        lifted = probs.reshape(q, -1) * _LIFTED
-        scores = lifted.T @ self.classes  # [pixels, K]: the argmax along contiguous memory
-        self.map[start:stop] = scores.argmax(-1).reshape(rows, w)
+        scores = self.scores(probs.reshape(q, -1))
+        best = scores.argmax(-1)
+        self.map[start:stop] = best.reshape(rows, w)
+        if self.decided is not None:
+            top = np.take_along_axis(scores, best[:, None], 1)[:, 0]
+            np.put_along_axis(scores, best[:, None], -np.inf, 1)
+            self.decided[start:stop] = (top - scores.max(-1) > self.tolerance * top).reshape(rows, w)
+
+
+def semantic_resized(field: Upsampled, classes: np.ndarray, rows: Taps | None, cols: Taps | None) -> np.ndarray:
+    """sem_seg_postprocess's resize of semantic_inference's scores (bilinear, from the field's size), then their
+    argmax, without resizing K score maps: the argmax is made at the field's size, with margins. An output pixel
+    whose taps all read one class, decided at each, takes it: a weighted mean (weights >= 0) of score vectors that
+    one class leads is led by it. Only the others (class borders, near ties) get their resized scores."""
+    semantic = _SemanticMap(classes, field.shape[1:], margins=rows is not None or cols is not None)
+    _per_pixel(field, semantic)
+    if semantic.decided is None:
+        return semantic.map
+    (ri, rw), (ci, cw) = (t if t is not None else _identity(n) for t, n in zip((rows, cols), field.shape[1:]))
+    resized = semantic.map[ri[:, :1], ci[:, 0]]  # each output pixel's first tap's class
+    ys, xs = np.nonzero(~_sure(semantic, ri, ci, resized))
+    resized[ys, xs] = _border_classes(field, semantic, (ri, rw), (ci, cw), ys, xs)
+    return resized
+
+
+def _sure(semantic: _SemanticMap, ri: np.ndarray, ci: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """[H, W]: whether every tap of the output pixel reads the class `first`, decided there."""
+    sure = np.ones(first.shape, bool)
+    for a in range(ri.shape[1]):
+        for b in range(ci.shape[1]):
+            tap = (ri[:, a : a + 1], ci[:, b])
+            sure &= semantic.decided[tap] & (semantic.map[tap] == first)
+    return sure
+
+
+def _border_classes(field: Upsampled, semantic: _SemanticMap, rows: Taps, cols: Taps, ys: np.ndarray,
+                    xs: np.ndarray) -> np.ndarray:
+    """The argmax of the resized scores at output pixels (ys, xs), from their taps' scores made again (columns
+    first, then rows, as _along sums); a few pixels at a time, on threads."""
+    (ri, rw), (ci, cw), width = rows, cols, field.shape[2]
+
+    def classes(part: np.ndarray) -> np.ndarray:
+        y, x = ys[part], xs[part]
+        source = ri[y][:, :, None] * width + ci[x][:, None, :]  # [n, rows' taps, cols' taps]
+        pixels, back = np.unique(source, return_inverse=True)
+        scores = semantic.scores(sigmoid(field.at(pixels // width, pixels % width)))[back.reshape(source.shape)]
+        along_columns = scores[:, :, 0] * cw[x, 0, None, None]
+        for b in range(1, ci.shape[1]):
+            along_columns += scores[:, :, b] * cw[x, b, None, None]
+        resized = along_columns[:, 0] * rw[y, 0, None]
+        for a in range(1, ri.shape[1]):
+            resized += along_columns[:, a] * rw[y, a, None]
+        return resized.argmax(-1)
+
+    step = max(1, _BAND // (semantic.classes.shape[1] * ri.shape[1] * ci.shape[1]))  # scores per part: a band's
+    parts = [np.arange(s, min(s + step, len(ys))) for s in range(0, len(ys), step)]
+    with _one_blas_thread():
+        found = _each(classes, parts)
+    return np.concatenate(found) if found else np.zeros(0, np.int32)
+
+
+def _identity(size: int) -> Taps:
+    return np.arange(size)[:, None], np.ones((size, 1), np.float32)
 
 
 def _per_pixel(field: Upsampled, *passes) -> list:

@@ -7,7 +7,8 @@ logits over the batch's padded size (Hp, Wp):
   1. the masks upsampled bilinearly (align_corners=False) to (Hp, Wp); with `sem_seg_postprocess_before_inference`,
      cropped to the picture's size in the graph (h, w) and resized to the original (H, W) (`sem_seg_postprocess`);
   2. `semantic_inference`: per-class scores softmax(classes)[:, :-1] · sigmoid(masks) → [K, ·, ·] (postprocessed to
-     (H, W) afterwards where step 1 did not); `Prediction.semantic` is their argmax;
+     (H, W) afterwards where step 1 did not: the argmax made at (h, w), only class borders' scores resized, see
+     `semantic_resized`); `Prediction.semantic` is their argmax;
   3. `panoptic_inference`: confident queries' masks compete per pixel; segments too covered are dropped, stuff
      segments of one class merged;
   4. `instance_inference`: the top-k (query, class) pairs, things only when panoptic is on, masks where the logit is
@@ -49,7 +50,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from d2export.families._mask_passes import Upsampled, _Competition, _MaskScores, _per_pixel, _SemanticMap
+from d2export.families._mask_passes import (Upsampled, _Competition, _MaskScores, _per_pixel, _SemanticMap,
+                                            semantic_resized)
 from d2export.families._mask_resize import _nearest, _taps, _then
 from d2export.families._mask_rules import Rules, sigmoid, softmax
 from d2export.instances import Instance, Prediction, Segment, encode_mask
@@ -260,20 +262,18 @@ def mask_prediction(outputs: dict[str, np.ndarray], index: int, input_hw: Sequen
     # instances alone read their picked queries' masks only: the others are never upsampled
     alone = instance_on and len(picked) > 0 and not panoptic_on and not (semantic_on and before)
     field_masks = masks[picked] if alone else masks
+    passes, semantic, competition, instances = [], None, None, None
     if before:  # the masks cropped and resized to the original picture, then every inference there
-        field = Upsampled(field_masks, _then(mh, ph, h, oh), _then(mw, pw, w, ow))
-        semantic_field, back = field, None
+        field, back = Upsampled(field_masks, _then(mh, ph, h, oh), _then(mw, pw, w, ow)), None
+        if semantic_on:
+            semantic = _SemanticMap(rules.semantic(mask_cls), field.shape[1:])
+            passes.append(semantic)
     else:  # panoptic and instance read the padded masks, as upstream; semantic the picture's corner, resized after
         field = Upsampled(field_masks, _taps(mh, ph), _taps(mw, pw)) if panoptic_on or instance_on else None
-        semantic_field = Upsampled(masks, _taps(mh, ph, h), _taps(mw, pw, w), after=(_taps(h, oh), _taps(w, ow)))
         back = functools.partial(_nearest, crop_hw=(h, w), out_hw=(oh, ow))
-    passes, semantic, competition, instances = [], None, None, None
-    if semantic_on:
-        semantic = _SemanticMap(rules.semantic(mask_cls), semantic_field.shape[1:])
-        if semantic_field is not field:
-            _per_pixel(semantic_field, semantic)
-        else:
-            passes.append(semantic)
+        if semantic_on:
+            prediction.semantic = semantic_resized(Upsampled(masks, _taps(mh, ph, h), _taps(mw, pw, w)),
+                                                   rules.semantic(mask_cls), _taps(h, oh), _taps(w, ow))
     if panoptic_on:
         keep, labels, scores = rules.panoptic(mask_cls, num_classes, float(value("object_mask_threshold")))
         competition = _Competition(keep, scores, field.shape[1:])
