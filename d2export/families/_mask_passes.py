@@ -66,12 +66,16 @@ class Upsampled:
 
     def at(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """[Q, n] logits of the pixels (rows[i], cols[i]), each summed as a band's rows are (_along)."""
+        flat, width = self.columns.reshape(len(self.columns), -1), self.columns.shape[2]
         if self.rows is None:
-            return self.columns[:, rows, cols]
+            return np.take(flat, rows * width + cols, axis=1)
         index, weight = self.rows
-        out = self.columns[:, index[rows, 0], cols] * weight[rows, 0]
+        out = np.take(flat, index[rows, 0] * width + cols, axis=1)
+        out *= weight[rows, 0]
         for j in range(1, index.shape[1]):
-            out += self.columns[:, index[rows, j], cols] * weight[rows, j]
+            other = np.take(flat, index[rows, j] * width + cols, axis=1)
+            other *= weight[rows, j]
+            out += other
         return out
 
     def whole(self) -> np.ndarray:
