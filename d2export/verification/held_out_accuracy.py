@@ -133,8 +133,9 @@ def judge(reference: Run, run: Run, max_drop: float, held: HeldOut) -> dict:
     unsure = [m for m, r in rows.items() if "interval" in r and r["interval"][0] < -max_drop]
     if unsure:
         needed = max(_pictures_to_rule_out(rows[m], len(held.records), max_drop) for m in unsure)
+        reaches = ", ".join(f"{m} down to {rows[m]['interval'][0]:+.2f}" for m in unsure)
         log.warning("%s: these %d pictures cannot rule out a loss past %g point(s) (%s): %s", run.precision,
-                    len(held.records), max_drop, ", ".join(f"{m} down to {rows[m]['interval'][0]:+.2f}" for m in unsure),
+                    len(held.records), max_drop, reaches,
                     "no number of pictures would, the difference being at the bound" if math.isinf(needed) else
                     f"about {needed} labelled pictures would, if the difference stays where it is")
     return {"passed": True, "dataset": held.dataset, "pictures": len(held.records), "evaluator": held.evaluator,
