@@ -65,18 +65,11 @@ class Upsampled:
         return sigmoid(logits), logits
 
     def at(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """[Q, n] logits of the pixels (rows[i], cols[i]), each summed as a band's rows are (_along)."""
+        """[Q, n] logits of the pixels (rows[i], cols[i]): the row taps gathered from the flattened columns, summed
+        as a band's rows are (_along)."""
         flat, width = self.columns.reshape(len(self.columns), -1), self.columns.shape[2]
-        if self.rows is None:
-            return np.take(flat, rows * width + cols, axis=1)
-        index, weight = self.rows
-        out = np.take(flat, index[rows, 0] * width + cols, axis=1)
-        out *= weight[rows, 0]
-        for j in range(1, index.shape[1]):
-            other = np.take(flat, index[rows, j] * width + cols, axis=1)
-            other *= weight[rows, j]
-            out += other
-        return out
+        index, weight = self.rows or _identity(self.columns.shape[1])
+        return _along(flat, (index[rows] * width + cols[:, None], weight[rows]), -1)
 
     def whole(self) -> np.ndarray:
         return self.logits(0, self.shape[1])
