@@ -104,6 +104,9 @@ class ExportConfig:
                            "verification holds) | heads (the decoding heads and MSDA's sampling only, convolutions "
                            "quantised too: faster, its tensors move past int8's tolerances, so it is held to accuracy "
                            "and needs verify.int8_accuracy)")
+    int8_keep_float: List[str] = opt(factory=list, help="with int8: modules whose convolutions and MatMuls stay float "
+                                     "besides the recipe's, by name as in the graph's node paths (backbone, "
+                                     "input_proj, linear1 …); a name that matches no such node is refused")
     bf16: bool = opt(False, "serve the float32 graph in bfloat16 through OpenVINO (manifest precision bfloat16, "
                      "runtime openvino), on CPUs with AVX512-BF16 or AMX-BF16; verified as served with verify.bf16_*; "
                      "export.sampler fused (d2export's OpenVINO extension, built on first use), gather or "
@@ -305,6 +308,8 @@ def _int8_judged(e: ExportConfig, v: VerifyConfig) -> None:
     tensors move past int8's tolerances by design), and the pictures that judge accuracy are not those it was
     calibrated on."""
     _one_of("export.int8_recipe", e.int8_recipe, ("family", "heads"))
+    if e.int8_keep_float and not e.int8:
+        raise ConfigError("export.int8_keep_float names what int8 keeps float: set export.int8 (dynamic or static)")
     if v.int8_accuracy and not e.int8:
         raise ConfigError("verify.int8_accuracy judges an int8 graph: set export.int8 (dynamic or static)")
     if e.int8 and e.int8_recipe == "heads" and v.enabled and not v.int8_accuracy:

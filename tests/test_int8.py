@@ -260,3 +260,27 @@ def test_the_fused_graph_is_optimised_with_its_operator_so_convolutions_fold_the
     assert "BatchNormalization" not in ops and ops.count("Conv") == 1
     assert graph_ops(optimised) == [FUSED_MSDA_ID]
     assert [n.name for n in optimised.graph.node if n.op_type == "Conv"] == ["/backbone/conv1/Conv"]  # scopes hold
+
+
+def test_modules_named_by_the_user_stay_float_and_a_misspelt_one_is_refused(tmp_path):
+    """export.int8_keep_float adds modules to what the recipe keeps float: the decoder's linear2 named, its MatMuls
+    keep float weights while linear1 beside it is quantised; a name matching no node is refused before anything
+    is written, not quietly kept as nothing."""
+    import onnx
+
+    from d2export.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"export.int8_keep_float: linear_2 names no convolution or MatMul"):
+        export("textdet_micro", tmp_path / "misspelt", "export.int8=dynamic", "export.int8_keep_float=[linear_2]",
+               "verify.enabled=false", "export.lint=false")
+    assert not list((tmp_path / "misspelt").glob("*.onnx"))
+
+    manifest = export("textdet_micro", tmp_path, "export.int8=dynamic", "export.int8_keep_float=[linear2]",
+                      "verify.enabled=false", "export.lint=false")
+    nodes = onnx.load(str(tmp_path / manifest.model_file)).graph.node
+    integer = [n.name for n in nodes if n.op_type in int8.INTEGER_OPS]
+    assert [n for n in integer if "/decoder/" in n and int8.in_scope(n, ("linear1",))]
+    assert not [n for n in integer if int8.in_scope(n, ("linear2",))]
+    kept = manifest.verification["int8"]["quantization"]["kept_float"]
+    assert [n for n in kept if "/decoder/" in n and int8.in_scope(n, ("linear2",))]
+    assert manifest.verification["int8"]["keep_float"] == ["linear2"]

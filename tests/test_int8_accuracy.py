@@ -160,6 +160,7 @@ def test_pictures_that_cannot_tell_are_refused():
     (["verify.int8_accuracy=held"], "set export.int8"),
     (["export.int8=static", "export.calibration=pics", "verify.int8_accuracy=pics"], "calibrated on cannot judge"),
     (["export.int8=dynamic", "export.int8_recipe=all"], "export.int8_recipe"),
+    (["export.int8_keep_float=[backbone]"], "int8_keep_float names what int8 keeps float: set export.int8"),
     (["export.int8=dynamic", "verify.int8_accuracy=held", "verify.int8_max_drop=-1"], "int8_max_drop"),
 ])
 def test_int8_accuracy_settings_are_checked_up_front(overrides, says):

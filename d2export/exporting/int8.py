@@ -58,6 +58,12 @@ def in_scope(node_name: str, scopes: Sequence[str]) -> bool:
     return any(re.fullmatch(rf"{re.escape(s)}(_\d+)?(\..*)?", p) for p in parts for s in scopes)
 
 
+def unmatched(model, op_types: Sequence[str], scopes: Sequence[str]) -> list[str]:
+    """The scopes that hold no node of `op_types`: a misspelt name would otherwise keep nothing float, silently."""
+    names = [n.name for n in model.graph.node if n.op_type in op_types]
+    return [s for s in scopes if not any(in_scope(name, (s,)) for name in names)]
+
+
 def float_nodes(model, op_types: Sequence[str], scopes: Sequence[str]) -> list[str]:
     """The nodes of `op_types` in `scopes`."""
     return [n.name for n in model.graph.node if n.op_type in op_types and in_scope(n.name, scopes)]

@@ -37,6 +37,22 @@ def quantise_to_int8(subject: Subject) -> dict:
 
     built, path, e = subject.built, subject.path, subject.built.cfg.export
     judged = bool(built.cfg.verify.int8_accuracy and subject.cases)
+    scopes, static_ops = built.family.int8_float_scopes, built.family.int8_static_ops
+    if e.int8_recipe == "heads":  # held to accuracy: only what decodes points and picks proposals stays float
+        scopes = built.family.int8_head_scopes if built.family.int8_head_scopes is not None else scopes
+        static_ops = ("Conv", "MatMul", "Gemm")
+    if e.int8_keep_float:  # the user's own, checked against the graph before the long part
+        import onnx
+
+        from d2export.config import ConfigError
+
+        named = int8.unmatched(onnx.load(str(path), load_external_data=False),
+                               static_ops if e.int8 == "static" else int8.DYNAMIC_OPS, e.int8_keep_float)
+        if named:
+            raise ConfigError(f"export.int8_keep_float: {', '.join(named)} names no convolution or MatMul int8 would "
+                              "quantise (names are modules in the nodes' paths, as /backbone/res2/conv1/Conv has "
+                              "backbone, res2 and conv1)")
+        scopes = tuple(scopes) + tuple(e.int8_keep_float)
     if judged:  # the pictures checked, and the float32 graph scored, before the long part
         from d2export.verification import held_out_accuracy  # detectron2's evaluation, imported when asked for
 
@@ -50,10 +66,6 @@ def quantise_to_int8(subject: Subject) -> dict:
     how = (f"calibrating on {len(pictures)} pictures ({e.calibration_method})" if pictures
            else "weights int8, activations quantised per run")
     progress.step(5, f"quantising to int8 ({e.int8}, recipe {e.int8_recipe})", how)
-    scopes, static_ops = built.family.int8_float_scopes, built.family.int8_static_ops
-    if e.int8_recipe == "heads":  # held to accuracy: only what decodes points and picks proposals stays float
-        scopes = built.family.int8_head_scopes if built.family.int8_head_scopes is not None else scopes
-        static_ops = ("Conv", "MatMul", "Gemm")
     quantized = path.with_name(f".{path.name}.int8")
     try:
         with progress.busy("quantising"):
@@ -70,7 +82,8 @@ def quantise_to_int8(subject: Subject) -> dict:
     log.info("int8: %d node(s) quantised, %d kept float (%s); %s", record.quantized, len(record.kept_float),
              ", ".join(scopes) or "none", record.why_reduce_range)
     runtime = serving_runtime(e, "int8")
-    made = {"quantization": record.to_dict(), "recipe": e.int8_recipe, "runtime": runtime}
+    made = {"quantization": record.to_dict(), "recipe": e.int8_recipe, "runtime": runtime,
+            "keep_float": list(e.int8_keep_float)}
     if not subject.cases:
         return {"passed": None} | made
     if not judged:
