@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
+from typing import Sequence
 
 CPUINFO = Path("/proc/cpuinfo")
-FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+# int8 dot products summed into 32 bits; without one, x86 kernels multiply u8 by s8 with vpmaddubsw, whose pairs of
+# products saturate 16 bits where weights pass ±64 (int8 graphs quantised for such a CPU keep 7 bits)
+INT8_DOT_PRODUCT = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def first_processor() -> dict[str, str]:
@@ -23,6 +27,14 @@ def cpu_features() -> list[str]:
     """Which of FEATURES the CPU has, in that order."""
     flags = set(first_processor().get("flags", "").split())
     return [f for f in FEATURES if f in flags]
+
+
+def int8_pairs_saturate(features: Sequence[str] | None = None) -> bool:
+    """Whether this x86 CPU (with `features`; None: its own) lacks an int8 dot product, so that u8s8 products of
+    8-bit weights can saturate (elsewhere kernels do not pair products into 16 bits)."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return False
+    return not set(cpu_features() if features is None else features) & set(INT8_DOT_PRODUCT)
 
 
 def describe_cpu() -> str:

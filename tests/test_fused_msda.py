@@ -258,6 +258,9 @@ def test_session_cache_opens_the_optimized_graph_and_survives_damage(tmp_path):
     onnx.load(str(cached))  # rewritten whole
     os.utime(path, ns=(1, 1))  # the model changed: another key
     assert cache_path(path, ort.SessionOptions()) != cached
+    exact = ort.SessionOptions()  # so do the settings that change the optimised graph: int8's exact products
+    exact.add_session_config_entry("session.x64quantprecision", "1")
+    assert cache_path(path, exact) != cache_path(path, ort.SessionOptions())
 
 
 # --- the chunked gather graph ---------------------------------------------------------------------------------

@@ -33,6 +33,123 @@ def test_reduce_range_only_where_the_cpu_lacks_vnni():
     assert "VNNI" in int8.reduce_range_for(["avx2"])[1]
 
 
+class _Feeds:
+    """What onnxruntime's calibrator asks of a reader: a few feeds, a range at a time."""
+
+    def __init__(self, items: list[dict]):
+        self.items, self.at, self.end = items, 0, len(items)
+
+    def __len__(self):
+        return len(self.items)
+
+    def set_range(self, start_index, end_index):
+        self.at, self.end = start_index, min(end_index, len(self.items))
+
+    def get_next(self):
+        self.at += 1
+        return self.items[self.at - 1] if self.at <= self.end else None
+
+
+def _projection(tmp_path, bits: int):
+    """A float32 MatMul [1, 4, 64] x [64, 8] quantised statically with `bits`-bit weights; its first column is
+    all 1.0, so per-channel weights reach 127 there and activations at the top of their range make pairs of
+    u8 x s8 products past int16."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = np.random.default_rng(5)
+    w = g.uniform(-1, 1, (64, 8)).astype(np.float32)
+    w[:, 0] = 1.0
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="/proj/MatMul")], "projection",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])],
+                              [numpy_helper.from_array(w, "w")])
+    src, dst = tmp_path / "float.onnx", tmp_path / f"int{bits}.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    feeds = _Feeds([{"x": g.uniform(0, 1, (1, 4, 64)).astype(np.float32)} for _ in range(4)])
+    record = int8.quantize(src, dst, "static", (), ["avx2"], feeds, static_ops=("MatMul",), weight_bits=bits)
+    return dst, record
+
+
+def _integer_product(path, x: np.ndarray) -> tuple[np.ndarray, int]:
+    """ONNX's QuantizeLinear / DequantizeLinear rules on the graph's own scales, zero points and int8 weights, in
+    exact integers: y[n] = sx * sw[n] * sum_k (xq[k] - zx) * wq[k, n]; and the largest pair of u8 x s8 products
+    (k, k+1) a 16-bit pairwise kernel would sum."""
+    import onnx
+    from onnx import numpy_helper
+
+    stored = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+    nodes = onnx.load(str(path)).graph.node
+    (qx,) = [n for n in nodes if n.op_type == "QuantizeLinear" and n.input[0] == "x"]
+    (dw,) = [n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in stored]
+    sx, zx = float(stored[qx.input[1]]), int(stored[qx.input[2]])
+    wq, sw = stored[dw.input[0]].astype(np.int64), stored[dw.input[1]].astype(np.float64)
+    xq = np.clip(np.rint(x.astype(np.float64) / sx) + zx, 0, 255).astype(np.int64)
+    y = sx * sw * ((xq - zx) @ wq)
+    pairs = xq[..., 0::2, None] * wq[0::2] + xq[..., 1::2, None] * wq[1::2]
+    return y, int(np.abs(pairs).max())
+
+
+def test_8bit_weights_are_served_exactly_on_any_cpu(tmp_path, monkeypatch):
+    """An int8 graph quantised with 8-bit weights (for a CPU with VNNI) and served where u8 x s8 products are
+    summed in pairs into 16 bits (x86 without VNNI) would saturate: onnxruntime sessions of int8 graphs there ask for
+    exact products, and the served values are the integer rule's. 7-bit weights cannot saturate and keep their
+    kernels."""
+    import platform
+
+    import onnxruntime as ort
+
+    from d2export import cpu
+    from d2export.runtime.providers import EXACT_INT8_KEY, serving_settings
+
+    path, record = _projection(tmp_path, 8)
+    assert not record.reduce_range and "export.int8_weight_bits=8" in record.why_reduce_range
+    x = np.ones((1, 4, 64), np.float32)  # every activation at the top of its calibrated range
+    expected, widest_pair = _integer_product(path, x)
+    assert widest_pair > 2**15 - 1  # a pairwise 16-bit kernel would saturate on this input
+    options = ort.SessionOptions()
+    serving_settings(options, ["CPUExecutionProvider"], "int8")
+    served = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_allclose(served, expected, rtol=1e-5)
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for features, exact in ((["avx2", "avx512f"], True), (["avx2", "avx_vnni"], False), (["amx_int8"], False)):
+        monkeypatch.setattr(cpu, "cpu_features", lambda: features)
+        for precision in ("int8", "float32"):
+            options = ort.SessionOptions()
+            serving_settings(options, ["CPUExecutionProvider"], precision)
+            try:
+                value = options.get_session_config_entry(EXACT_INT8_KEY)
+            except RuntimeError:
+                value = None
+            assert (value == "1") == (exact and precision == "int8"), (features, precision, value)
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")  # no pairwise 16-bit kernels there
+    assert not cpu.int8_pairs_saturate(["avx2"])
+
+    path7, record7 = _projection(tmp_path, 7)
+    assert record7.reduce_range and _integer_product(path7, x)[1] <= 2**15 - 1
+
+
+def test_openvino_refuses_8bit_weights_where_they_would_saturate(tmp_path, monkeypatch):
+    """OpenVINO has no exact mode for them: on an x86 CPU without VNNI an int8 graph with 8-bit weights is refused in
+    one line; 7-bit weights, or a CPU with VNNI or AMX, are served."""
+    import platform
+
+    from d2export.runtime.openvino_session import require_exact_int8
+    from d2export.runtime.providers import ProviderUnavailable
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    (tmp_path / "8").mkdir()
+    (tmp_path / "7").mkdir()
+    eight, seven = _projection(tmp_path / "8", 8)[0], _projection(tmp_path / "7", 7)[0]
+    with pytest.raises(ProviderUnavailable, match=r"int8 weights use 8 bits.*it has avx2\): serve it through "
+                                                  r"onnxruntime.*export.int8_weight_bits=7"):
+        require_exact_int8(eight, ["avx2"])
+    require_exact_int8(seven, ["avx2"])
+    require_exact_int8(eight, ["avx2", "avx512_vnni"])
+    require_exact_int8(eight, ["amx_int8"])
+
+
 def test_static_int8_keeps_attention_products_float(tmp_path):
     """onnxruntime's QDQ quantiser would take query-by-key and weights-by-value products (and the softmax between
     them) with the weight MatMuls; static int8 quantises the weight MatMul alone."""
@@ -108,6 +225,7 @@ def test_calibration_pictures_are_read_a_range_at_a_time(tmp_path):
     (["export.int8=dynamic", "export.fp16=true"], "one precision"),
     (["export.int8=static"], "needs export.calibration"),
     (["export.int8=static", "export.calibration=x", "export.calibration_method=kl"], "minmax, entropy or percentile"),
+    (["export.int8=static", "export.calibration=x", "export.int8_weight_bits=4"], "choose 7, 8 or 0"),
 ])
 def test_int8_settings_are_checked_up_front(overrides, says):
     from d2export.config import ConfigError, load

@@ -30,7 +30,7 @@ def quantiser(make_nodes, output: str, calls: list):
     """A stand-in for int8.quantize that writes the float32 graph rewired, and records what it was asked."""
     from d2export.exporting import int8
 
-    def quantize(src, dst, mode, scopes, features, pictures=None, method="minmax", static_ops=()):
+    def quantize(src, dst, mode, scopes, features, pictures=None, method="minmax", static_ops=(), weight_bits=0):
         calls.append({"scopes": tuple(scopes), "static_ops": tuple(static_ops), "mode": mode})
         rewired(src, dst, output, make_nodes)
         return int8.Int8Record(mode, list(static_ops), False, "", [], 0)

@@ -15,6 +15,8 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from d2export.cpu import INT8_DOT_PRODUCT
+
 log = logging.getLogger("d2export")
 
 MODES = ("dynamic", "static")
@@ -22,7 +24,6 @@ METHODS = ("minmax", "entropy", "percentile")
 # Conv through ConvInteger (dynamic) is slower than float on onnxruntime's CPU provider: dynamic takes the MatMuls;
 # static takes what the family's `int8_static_ops` says
 DYNAMIC_OPS = ("MatMul", "Gemm")
-VNNI = ("avx512_vnni", "avx_vnni", "amx_int8")  # u8s8 dot products without the 16-bit saturation of plain AVX2/512
 
 
 @dataclass
@@ -41,9 +42,14 @@ class Int8Record:
         return dict(self.__dict__)
 
 
-def reduce_range_for(features: Sequence[str]) -> tuple[bool, str]:
-    """7-bit weights where the CPU lacks VNNI: u8s8 products summed in pairs saturate int16 on AVX2/AVX-512 alone."""
-    have = [f for f in VNNI if f in features]
+def reduce_range_for(features: Sequence[str], bits: int = 0) -> tuple[bool, str]:
+    """7-bit weights where the CPU lacks VNNI: u8s8 products summed in pairs saturate int16 on AVX2/AVX-512 alone;
+    `bits` 7 or 8 (export.int8_weight_bits) chooses for the CPUs that will serve the graph instead."""
+    if bits:
+        served = ("a CPU without VNNI serves 8-bit weights through onnxruntime's exact (slower) products"
+                  if bits == 8 else "7-bit weights serve at full speed on any CPU")
+        return bits == 7, f"export.int8_weight_bits={bits}: {served}"
+    have = [f for f in INT8_DOT_PRODUCT if f in features]
     if have:
         return False, f"the CPU has {', '.join(have)}: full 8-bit range"
     return True, "no VNNI on this CPU: 7-bit weights (reduce_range) avoid u8s8 saturation"
@@ -162,7 +168,7 @@ def calibrator_running(ops: Sequence[str]) -> Iterator[None]:
 
 def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: Sequence[str],
              pictures: Pictures | None = None, method: str = "minmax",
-             static_ops: Sequence[str] = ("Conv", "MatMul", "Gemm")) -> Int8Record:
+             static_ops: Sequence[str] = ("Conv", "MatMul", "Gemm"), weight_bits: int = 0) -> Int8Record:
     """The float32 graph at `src` quantised into `dst` (static needs `pictures`; it quantises `static_ops`)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
@@ -171,7 +177,7 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
     if mode not in MODES:
         raise ValueError(f"export.int8={mode!r}: choose one of {MODES}")
     op_types = list(DYNAMIC_OPS if mode == "dynamic" else static_ops)
-    reduce_range, why = reduce_range_for(features)
+    reduce_range, why = reduce_range_for(features, weight_bits)
     from d2export.kernels.custom_ops import graph_ops
 
     custom = graph_ops(onnx.load(str(src), load_external_data=False))

@@ -43,6 +43,26 @@ def require_bf16(features: Iterable[str] | None = None, what: str = "a bfloat16 
         raise Bf16Unavailable(f"{what} needs a CPU with AVX512-BF16 or AMX-BF16 (this one has {has}): {instead}")
 
 
+def require_exact_int8(path: Path, features: Iterable[str] | None = None) -> None:
+    """ProviderUnavailable, in one line, for an int8 graph with 8-bit weights (quantised for a CPU with VNNI or AMX)
+    on an x86 CPU without an int8 dot product: OpenVINO's products of such weights saturate there (onnxruntime's
+    are made exact, providers.EXACT_INT8_KEY). Weights within ±64 (7 bits) cannot saturate."""
+    if not cpu.int8_pairs_saturate(None if features is None else list(features)):
+        return
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(path)).graph
+    if any(t.data_type == onnx.TensorProto.INT8 and np.abs(numpy_helper.to_array(t).astype(np.int16)).max(initial=0) > 64
+           for t in graph.initializer):
+        has = " ".join(cpu.cpu_features() if features is None else features) or "none of d2export.cpu.FEATURES"
+        raise ProviderUnavailable(f"{path.name}: its int8 weights use 8 bits, and OpenVINO's products of them would "
+                                  f"saturate on this CPU (no VNNI or AMX; it has {has}): serve it through onnxruntime "
+                                  "(export.runtime=onnxruntime), which computes them exactly, or export it with "
+                                  "export.int8_weight_bits=7")
+
+
 @dataclass(frozen=True)
 class Arg:
     """An input or output as onnxruntime's NodeArg shows it: name, shape (ints, strings for dynamic axes), type
@@ -79,6 +99,8 @@ class OpenVINOSession:
         self.path, self.precision, self.threads = Path(path), PRECISIONS[precision], int(threads)
         if self.precision == "bf16":
             require_bf16(what="OpenVINO in bfloat16")
+        if precision == "int8":
+            require_exact_int8(self.path)
         try:
             import openvino as ov
         except ImportError as e:

@@ -59,8 +59,21 @@ def cache_path(model_path: Path, options) -> Path:
     import onnxruntime as ort
 
     key = "|".join(map(str, (st.st_size, st.st_mtime_ns, ort.__version__, int(options.graph_optimization_level),
-                             _cpu_identity())))
+                             _cpu_identity(), *_settings(options))))
     return model_path.parent / f".{model_path.name}.ort-cache" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".onnx")
+
+
+def _settings(options) -> list[str]:
+    """The session config entries d2export sets that change the optimised graph (an entry never set reads "")."""
+    from d2export.runtime.providers import DISABLED_OPTIMIZERS_KEY, EXACT_INT8_KEY
+
+    def entry(key: str) -> str:
+        try:
+            return options.get_session_config_entry(key)
+        except RuntimeError:  # onnxruntime's answer for an entry never set
+            return ""
+
+    return [entry(DISABLED_OPTIMIZERS_KEY), entry(EXACT_INT8_KEY)]
 
 
 def _cpu_identity() -> str:

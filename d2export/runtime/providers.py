@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from d2export import cpu
+
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
@@ -32,6 +34,9 @@ def resolve_providers(names: Sequence[str]) -> list[str]:
 # bias into the output with a broadcast kernel (`BroadcastBiasKernel`: 6.4 of 62.8 ms a call measured, float16 batch
 # 8 on an H200), then cuBLAS adds the product to it; without the fusion the bias is one elementwise Add
 DISABLED_OPTIMIZERS_KEY = "optimization.disable_specified_optimizers"  # a session config entry, names joined by ;
+# onnxruntime's exact u8s8 products on x86 without VNNI: int8 weights past ±64 (8-bit ones) are widened so that pairs of
+# products cannot saturate 16 bits (7-bit weights are left as they are, at full speed)
+EXACT_INT8_KEY = "session.x64quantprecision"
 CUDA_DISABLED_OPTIMIZERS = ("MatMulAddFusion",)
 # The CPU's own sessions: that Gemm and onnxruntime's SkipLayerNormalization (Add + LayerNormalization) measured
 # slower than the nodes they replace on the CPU, in torch.export's graphs (2D linears, where TorchScript's are 3D and
@@ -69,9 +74,12 @@ def serving_settings(options, providers: Sequence[str], precision: str = "float3
                      given: Sequence[dict] | None = None) -> list[dict]:
     """What a session of `providers` serving a graph of `precision` gets, for the Predictor and for verification
     alike: `options` (onnxruntime SessionOptions) with `CUDA_DISABLED_OPTIMIZERS` turned off where CUDA serves,
-    `CPU_DISABLED_OPTIMIZERS` where the CPU alone does; returns each provider's options (`options_per_provider`)."""
+    `CPU_DISABLED_OPTIMIZERS` where the CPU alone does, and an int8 graph's products exact on a CPU without VNNI
+    (`EXACT_INT8_KEY`); returns each provider's options (`options_per_provider`)."""
     off = CUDA_DISABLED_OPTIMIZERS if PROVIDERS["cuda"] in providers else CPU_DISABLED_OPTIMIZERS
     options.add_session_config_entry(DISABLED_OPTIMIZERS_KEY, ";".join(off))
+    if precision == "int8" and PROVIDERS["cpu"] in providers and cpu.int8_pairs_saturate():
+        options.add_session_config_entry(EXACT_INT8_KEY, "1")  # a graph quantised for a VNNI CPU serves as there
     return options_per_provider(providers, tf32, given, precision)
 
 

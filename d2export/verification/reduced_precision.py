@@ -70,7 +70,7 @@ def quantise_to_int8(subject: Subject) -> dict:
     try:
         with progress.busy("quantising"):
             record = int8.quantize(path, quantized, e.int8, scopes, cpu_features(), pictures, e.calibration_method,
-                                   static_ops)
+                                   static_ops, e.int8_weight_bits)
         if judged:
             progress.step(5, "scoring the int8 graph", f"{len(held.records)} labelled pictures of {held.dataset}")
             accuracy = held_out_accuracy.judge(reference, held_out_accuracy.served_run(subject, held, quantized,
