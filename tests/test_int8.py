@@ -169,22 +169,8 @@ def test_static_int8_keeps_attention_products_float(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
     assert int8.activation_matmuls(onnx.load(str(src))) == ["/attn/MatMul", "/attn/MatMul_1"]
 
-    class Feeds:  # what the calibrator asks of a reader, a few feeds a range
-        def __init__(self):
-            self.items, self.at, self.end = [{"x": rng.standard_normal((1, 6, 8)).astype(np.float32)}
-                                             for _ in range(4)], 0, 4
-
-        def __len__(self):
-            return len(self.items)
-
-        def set_range(self, start_index, end_index):
-            self.at, self.end = start_index, min(end_index, len(self.items))
-
-        def get_next(self):
-            self.at += 1
-            return self.items[self.at - 1] if self.at <= self.end else None
-
-    record = int8.quantize(src, dst, "static", (), ["avx512_vnni"], Feeds(), static_ops=("MatMul",))
+    feeds = _Feeds([{"x": rng.standard_normal((1, 6, 8)).astype(np.float32)} for _ in range(4)])
+    record = int8.quantize(src, dst, "static", (), ["avx512_vnni"], feeds, static_ops=("MatMul",))
     model = onnx.load(str(dst))
     dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
     matmuls = {n.name: n for n in model.graph.node if n.op_type == "MatMul"}
