@@ -130,6 +130,44 @@ def test_8bit_weights_are_served_exactly_on_any_cpu(tmp_path, monkeypatch):
     assert record7.reduce_range and _integer_product(path7, x)[1] <= 2**15 - 1
 
 
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_a_weight_two_nodes_read_is_given_to_each_so_exact_products_load(tmp_path, mode):
+    """A module called twice (the character head on two decoder layers) has one weight read by two MatMuls.
+    onnxruntime's exact products convert int8 weights to uint8 per reading node and refused such a session
+    ("Attempt to replace the existing tensor"): each reader gets its own copy, and the session loads and computes
+    both products alike."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = np.random.default_rng(9)
+    w = g.uniform(-1, 1, (16, 4)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"], name="/head/MatMul"),
+             helper.make_node("Relu", ["x"], ["x1"], name="/later/Relu"),
+             helper.make_node("MatMul", ["x1", "w"], ["b"], name="/head_1/MatMul")]
+    graph = helper.make_graph(nodes, "shared", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4]) for n in "ab"],
+                              [numpy_helper.from_array(w, "w")])
+    src, dst = tmp_path / "float.onnx", tmp_path / "int8.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
+    feeds = _Feeds([{"x": g.uniform(0, 1, (2, 16)).astype(np.float32)} for _ in range(4)])
+    int8.quantize(src, dst, mode, (), ["avx2"], feeds if mode == "static" else None, static_ops=("MatMul",),
+                  weight_bits=8)
+    model = onnx.load(str(dst))
+    int8_weights = {t.name for t in model.graph.initializer if t.data_type == TensorProto.INT8}
+    reads = [i for n in model.graph.node for i in n.input]
+    dequantized = [n.output[0] for n in model.graph.node if n.op_type == "DequantizeLinear"
+                   and n.input[0] in int8_weights]
+    assert int8_weights and all(reads.count(name) == 1 for name in int8_weights | set(dequantized))
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.x64quantprecision", "1")
+    x = g.uniform(0, 1, (2, 16)).astype(np.float32)
+    a, b = ort.InferenceSession(str(dst), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, x @ w, atol=0.05 * np.abs(x @ w).max())
+
+
 def test_openvino_refuses_8bit_weights_where_they_would_saturate(tmp_path, monkeypatch):
     """OpenVINO has no exact mode for them: on an x86 CPU without VNNI an int8 graph with 8-bit weights is refused in
     one line; 7-bit weights, or a CPU with VNNI or AMX, are served."""

@@ -85,6 +85,51 @@ def activation_matmuls(model) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] not in constant]
 
 
+def own_weights(model) -> int:
+    """Gives each node reading a quantised weight its own copy (a module called twice shares its weight: the
+    character head on two decoder layers). onnxruntime's exact products on CPUs without VNNI convert each int8 weight
+    to uint8 per reading node, and fail a session whose weight two nodes read ("Attempt to replace the existing
+    tensor"). Returns the copies made; the graph computes the same."""
+    import copy
+
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    stored = {t.name: t for t in graph.initializer}
+
+    def readers() -> dict[str, list[tuple]]:
+        found: dict[str, list[tuple]] = {}
+        for n in graph.node:
+            for k, i in enumerate(n.input):
+                found.setdefault(i, []).append((n, k))
+        return found
+
+    def copied(name: str, tag: str) -> str:
+        t = copy.deepcopy(stored[name])
+        t.name = f"{name}_{tag}"
+        graph.initializer.append(t)
+        return t.name
+
+    made, first, reading = 0, [], readers()
+    for dq in [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in stored
+               and stored[n.input[0]].data_type == TensorProto.INT8]:
+        for j, (node, k) in enumerate(reading.get(dq.output[0], [])[1:], 1):
+            clone = helper.make_node("DequantizeLinear", [copied(i, f"own{j}") if i in stored else i for i in dq.input],
+                                     [f"{dq.output[0]}_own{j}"], name=f"{dq.name}_own{j}")
+            clone.attribute.extend(dq.attribute)
+            first.append(clone)
+            node.input[k] = clone.output[0]
+            made += 1
+    reading = readers()
+    for t in [t for t in list(graph.initializer) if t.data_type == TensorProto.INT8]:
+        for j, (node, k) in enumerate(reading.get(t.name, [])[1:], 1):
+            node.input[k] = copied(t.name, f"own{j}")
+            made += 1
+    for clone in reversed(first):  # initializers only in: ahead of everything
+        graph.node.insert(0, clone)
+    return made
+
+
 INTEGER_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "ConvInteger", "QLinearConv", "QLinearMatMul")
 
 
@@ -220,6 +265,9 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
                                 activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, nodes_to_exclude=kept,
                                 calibrate_method=methods[method], extra_options=options)
             calibration = {"pictures": len(pictures), "method": method}
-    quantized = quantized_count(onnx.load(str(dst), load_external_data=False))
+    written = onnx.load(str(dst))
+    if own_weights(written):
+        onnx.save(written, str(dst))
+    quantized = quantized_count(written)
     return Int8Record(mode, op_types, reduce_range, why, kept, quantized, calibration)
 
