@@ -200,6 +200,23 @@ def _fake_model(folder: Path, ops) -> Path:
     return path
 
 
+def test_triton_repository_of_8bit_int8_weights_says_which_cpus_serve_it(tmp_path, caplog):
+    """Triton's onnxruntime backend is not asked for exact products: a graph with 8-bit int8 weights is written with
+    a warning naming the CPUs it serves right on; 7-bit weights, any CPU, no warning."""
+    from d2export.runtime.triton import write_repository
+
+    path = _fake_model(tmp_path, [])
+    manifest = Manifest.read(manifest_path(path))
+    for reduce_range, warned in ((False, True), (True, False)):
+        manifest.precision = "int8"
+        manifest.verification = {"int8": {"quantization": {"reduce_range": reduce_range}}}
+        manifest.write(manifest_path(path))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="d2export.runtime.triton"):
+            write_repository(path, tmp_path / f"repo{reduce_range}")
+        assert ("int8 weights use 8 bits: serve it on CPUs with VNNI or AMX" in caplog.text) == warned
+
+
 def test_triton_repository_carries_the_native_operator_library(tmp_path):
     """A fused graph's repository holds the native library, and its config names it where the server will see the
     repository (Triton's protobuf parses it); the copied library alone, loaded as the onnxruntime backend loads it

@@ -18,6 +18,7 @@ Triton's dynamic batcher may join requests (of equal shapes). Other dynamic axes
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -27,6 +28,8 @@ from typing import Any
 
 from d2export.argparsing import parser
 from d2export.manifest import Manifest, TensorSpec, manifest_path
+
+log = logging.getLogger(__name__)
 
 TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32",
                 "uint64": "TYPE_UINT64", "int8": "TYPE_INT8", "int16": "TYPE_INT16", "int32": "TYPE_INT32",
@@ -175,6 +178,11 @@ def write_repository(model_path: str | os.PathLike, repo: str | os.PathLike, nam
     if manifest.runtime != "onnxruntime":  # export.bf16: Triton's onnxruntime backend would serve it in float32
         raise ValueError(f"{model_path} is a {manifest.precision} graph served by {manifest.runtime}, not Triton's "
                          "onnxruntime backend: export it in float32 or float16 for Triton")
+    quantization = (manifest.verification or {}).get("int8", {}).get("quantization", {})
+    if manifest.precision == "int8" and quantization.get("reduce_range") is False:
+        log.warning("%s: its int8 weights use 8 bits: serve it on CPUs with VNNI or AMX. On one without, Triton's "
+                    "onnxruntime backend would saturate their products (d2export's own sessions ask onnxruntime for "
+                    "exact ones); export.int8_weight_bits=7 suits any CPU", model_path.name)
     library = operator_library(manifest, model_path)  # checked before anything is written
     name = name or model_path.stem
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
