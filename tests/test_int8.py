@@ -100,7 +100,7 @@ def test_8bit_weights_are_served_exactly_on_any_cpu(tmp_path, monkeypatch):
     import onnxruntime as ort
 
     from d2export import cpu
-    from d2export.runtime.providers import EXACT_INT8_KEY, serving_settings
+    from d2export.runtime.providers import EXACT_INT8_KEY, exact_int8, serving_settings
 
     path, record = _projection(tmp_path, 8)
     assert not record.reduce_range and "export.int8_weight_bits=8" in record.why_reduce_range
@@ -109,8 +109,9 @@ def test_8bit_weights_are_served_exactly_on_any_cpu(tmp_path, monkeypatch):
     assert widest_pair > 2**15 - 1  # a pairwise 16-bit kernel would saturate on this input
     options = ort.SessionOptions()
     serving_settings(options, ["CPUExecutionProvider"], "int8")
-    served = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    np.testing.assert_allclose(served, expected, rtol=1e-5)
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], expected, rtol=1e-5)
+    assert exact_int8(session) == cpu.int8_pairs_saturate()  # recorded as what a server must ask for
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     for features, exact in ((["avx2", "avx512f"], True), (["avx2", "avx_vnni"], False), (["amx_int8"], False)):

@@ -23,8 +23,8 @@ from d2export.runtime.bound_runs import BoundRuns
 from d2export.runtime.model_loading import ModelLoadError, check_schema, load_manifest
 from d2export.runtime.optimized_cache import create_session
 from d2export.runtime.processing import Prepared, Processing, equal_size_groups
-from d2export.runtime.providers import (PROVIDERS, ProviderUnavailable, disabled_optimizers, resolve_providers,
-                                        serving_settings)
+from d2export.runtime.providers import (PROVIDERS, ProviderUnavailable, disabled_optimizers, exact_int8,
+                                        resolve_providers, serving_settings)
 
 log = logging.getLogger("d2export")
 
@@ -187,7 +187,7 @@ class Predictor(Processing):
                 "cuda_graph": self.bound is not None,
                 "providers": self.session.get_providers(),  # what the session runs on, not what was asked
                 "provider_options": self.session.get_provider_options(),
-                "disabled_optimizers": disabled_optimizers(self.session),
+                "disabled_optimizers": disabled_optimizers(self.session), "exact_int8": exact_int8(self.session),
                 "inputs": [asdict(t) for t in m.inputs], "outputs": [asdict(t) for t in m.outputs],
                 "preprocess": m.preprocess | {"min_size_test": self.min_size, "max_size_test": self.max_size},
                 "postprocess": m.postprocess | {"score_threshold": self.score_threshold},

@@ -83,13 +83,22 @@ def serving_settings(options, providers: Sequence[str], precision: str = "float3
     return options_per_provider(providers, tf32, given, precision)
 
 
-def disabled_optimizers(session) -> list[str]:
-    """The graph transformers a session was built without (for metadata and the manifest; none for a session that is
-    not onnxruntime's: OpenVINO's)."""
+def _entry(session, key: str) -> str:
+    """A session config entry of an onnxruntime session ("" if never set, or for OpenVINO's sessions)."""
     if not hasattr(session, "get_session_options"):
-        return []
+        return ""
     try:
-        value = session.get_session_options().get_session_config_entry(DISABLED_OPTIMIZERS_KEY)
+        return session.get_session_options().get_session_config_entry(key)
     except RuntimeError:  # onnxruntime's answer for an entry never set
-        return []
-    return [name for name in value.split(";") if name]
+        return ""
+
+
+def disabled_optimizers(session) -> list[str]:
+    """The graph transformers a session was built without (for metadata and the manifest)."""
+    return [name for name in _entry(session, DISABLED_OPTIMIZERS_KEY).split(";") if name]
+
+
+def exact_int8(session) -> bool:
+    """Whether a session computes int8 products exactly where the CPU would saturate them (EXACT_INT8_KEY): what a
+    server of the same graph on such a CPU must ask onnxruntime for."""
+    return _entry(session, EXACT_INT8_KEY) == "1"

@@ -48,10 +48,10 @@ def ran_on(session, path: Path) -> dict:
     """The providers a verification really ran on, with their options and the graph transformers left out, and for a
     fused graph the kernel that computed its operator ("native", "numba" or "cuda"): what a server must use to serve
     the same."""
-    from d2export.runtime.providers import disabled_optimizers
+    from d2export.runtime.providers import disabled_optimizers, exact_int8
 
     ran = {"providers": session.get_providers(), "provider_options": session.get_provider_options(),
-           "disabled_optimizers": disabled_optimizers(session)}
+           "disabled_optimizers": disabled_optimizers(session), "exact_int8": exact_int8(session)}
     kernel = custom_ops.serving_kernel(custom_ops.file_ops(path), session.get_providers())
     return ran | ({"msda_kernel": kernel} if kernel else {})
 
