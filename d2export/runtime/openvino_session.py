@@ -53,9 +53,9 @@ def require_exact_int8(path: Path, features: Iterable[str] | None = None) -> Non
     import onnx
     from onnx import numpy_helper
 
-    graph = onnx.load(str(path)).graph
-    if any(t.data_type == onnx.TensorProto.INT8 and np.abs(numpy_helper.to_array(t).astype(np.int16)).max(initial=0) > 64
-           for t in graph.initializer):
+    weights = [numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer
+               if t.data_type == onnx.TensorProto.INT8]
+    if any(np.abs(w.astype(np.int16)).max(initial=0) > 64 for w in weights):
         has = " ".join(cpu.cpu_features() if features is None else features) or "none of d2export.cpu.FEATURES"
         raise ProviderUnavailable(f"{path.name}: its int8 weights use 8 bits, and OpenVINO's products of them would "
                                   f"saturate on this CPU (no VNNI or AMX; it has {has}): serve it through onnxruntime "

@@ -65,15 +65,9 @@ def cache_path(model_path: Path, options) -> Path:
 
 def _settings(options) -> list[str]:
     """The session config entries d2export sets that change the optimised graph (an entry never set reads "")."""
-    from d2export.runtime.providers import DISABLED_OPTIMIZERS_KEY, EXACT_INT8_KEY
+    from d2export.runtime.providers import DISABLED_OPTIMIZERS_KEY, EXACT_INT8_KEY, config_entry
 
-    def entry(key: str) -> str:
-        try:
-            return options.get_session_config_entry(key)
-        except RuntimeError:  # onnxruntime's answer for an entry never set
-            return ""
-
-    return [entry(DISABLED_OPTIMIZERS_KEY), entry(EXACT_INT8_KEY)]
+    return [config_entry(options, DISABLED_OPTIMIZERS_KEY), config_entry(options, EXACT_INT8_KEY)]
 
 
 def _cpu_identity() -> str:

@@ -34,8 +34,8 @@ def resolve_providers(names: Sequence[str]) -> list[str]:
 # bias into the output with a broadcast kernel (`BroadcastBiasKernel`: 6.4 of 62.8 ms a call measured, float16 batch
 # 8 on an H200), then cuBLAS adds the product to it; without the fusion the bias is one elementwise Add
 DISABLED_OPTIMIZERS_KEY = "optimization.disable_specified_optimizers"  # a session config entry, names joined by ;
-# onnxruntime's exact u8s8 products on x86 without VNNI: int8 weights past ±64 (8-bit ones) are widened so that pairs of
-# products cannot saturate 16 bits (7-bit weights are left as they are, at full speed)
+# onnxruntime's exact u8s8 products on x86 without VNNI: int8 weights past ±64 (8-bit ones) are widened so that pairs
+# of products cannot saturate 16 bits (7-bit weights are left as they are, at full speed)
 EXACT_INT8_KEY = "session.x64quantprecision"
 CUDA_DISABLED_OPTIMIZERS = ("MatMulAddFusion",)
 # The CPU's own sessions: that Gemm and onnxruntime's SkipLayerNormalization (Add + LayerNormalization) measured
@@ -83,14 +83,17 @@ def serving_settings(options, providers: Sequence[str], precision: str = "float3
     return options_per_provider(providers, tf32, given, precision)
 
 
-def _entry(session, key: str) -> str:
-    """A session config entry of an onnxruntime session ("" if never set, or for OpenVINO's sessions)."""
-    if not hasattr(session, "get_session_options"):
-        return ""
+def config_entry(options, key: str) -> str:
+    """A session config entry of onnxruntime SessionOptions ("" if never set)."""
     try:
-        return session.get_session_options().get_session_config_entry(key)
+        return options.get_session_config_entry(key)
     except RuntimeError:  # onnxruntime's answer for an entry never set
         return ""
+
+
+def _entry(session, key: str) -> str:
+    """A session config entry of an onnxruntime session ("" for OpenVINO's sessions)."""
+    return config_entry(session.get_session_options(), key) if hasattr(session, "get_session_options") else ""
 
 
 def disabled_optimizers(session) -> list[str]:
