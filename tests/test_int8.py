@@ -78,8 +78,8 @@ def _integer_product(path, x: np.ndarray) -> tuple[np.ndarray, int]:
     import onnx
     from onnx import numpy_helper
 
-    stored = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
-    nodes = onnx.load(str(path)).graph.node
+    graph = onnx.load(str(path)).graph
+    stored, nodes = {t.name: numpy_helper.to_array(t) for t in graph.initializer}, graph.node
     (qx,) = [n for n in nodes if n.op_type == "QuantizeLinear" and n.input[0] == "x"]
     (dw,) = [n for n in nodes if n.op_type == "DequantizeLinear" and n.input[0] in stored]
     sx, zx = float(stored[qx.input[1]]), int(stored[qx.input[2]])
