@@ -107,6 +107,9 @@ class ExportConfig:
     int8_weight_bits: int = opt(0, "with int8: 7 or 8 bits of weights; 0: by this CPU (8 with VNNI or AMX, else 7). "
                                 "8-bit weights are finer; served on a CPU without VNNI, onnxruntime computes them "
                                 "exactly but slower, and OpenVINO refuses them there (its products would saturate)")
+    int8_rounding: str = opt("nearest", "with static int8: how weights are rounded to their steps: nearest | gptq "
+                             "(each MatMul's rounding error carried onto the rows not yet rounded, weighted by the "
+                             "calibration pictures' activations; the scales unchanged, so it serves at the same speed)")
     int8_keep_float: List[str] = opt(factory=list, help="with int8: modules whose convolutions and MatMuls stay float "
                                      "besides the recipe's, by name as in the graph's node paths (backbone, "
                                      "input_proj, linear1 …); a name that matches no such node is refused")
@@ -313,6 +316,9 @@ def _int8_judged(e: ExportConfig, v: VerifyConfig) -> None:
     _one_of("export.int8_recipe", e.int8_recipe, ("family", "heads"))
     if e.int8_weight_bits not in (0, 7, 8):
         raise ConfigError(f"export.int8_weight_bits={e.int8_weight_bits}: choose 7, 8 or 0 (by this CPU)")
+    _one_of("export.int8_rounding", e.int8_rounding, ("nearest", "gptq"))
+    if e.int8_rounding == "gptq" and e.int8 != "static":
+        raise ConfigError("export.int8_rounding=gptq rounds against calibrated activations: set export.int8=static")
     if e.int8_keep_float and not e.int8:
         raise ConfigError("export.int8_keep_float names what int8 keeps float: set export.int8 (dynamic or static)")
     if v.int8_accuracy and not e.int8:

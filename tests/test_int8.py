@@ -4,7 +4,7 @@ import pytest
 
 from d2export.exporting import int8
 from d2export.verification.pictures import picture_files
-from exports import export
+from exports import Feeds, export
 
 # what text spotters keep float so that the queries a TopK picks from the proposals' scores stay the same
 ENCODER_AND_PROPOSALS = ("encoder", "enc_output", "bbox_class_embed", "bezier_class_embed")
@@ -33,23 +33,6 @@ def test_reduce_range_only_where_the_cpu_lacks_vnni():
     assert "VNNI" in int8.reduce_range_for(["avx2"])[1]
 
 
-class _Feeds:
-    """What onnxruntime's calibrator asks of a reader: a few feeds, a range at a time."""
-
-    def __init__(self, items: list[dict]):
-        self.items, self.at, self.end = items, 0, len(items)
-
-    def __len__(self):
-        return len(self.items)
-
-    def set_range(self, start_index, end_index):
-        self.at, self.end = start_index, min(end_index, len(self.items))
-
-    def get_next(self):
-        self.at += 1
-        return self.items[self.at - 1] if self.at <= self.end else None
-
-
 def _projection(tmp_path, bits: int):
     """A float32 MatMul [1, 4, 64] x [64, 8] quantised statically with `bits`-bit weights; its first column is
     all 1.0, so per-channel weights reach 127 there and activations at the top of their range make pairs of
@@ -66,7 +49,7 @@ def _projection(tmp_path, bits: int):
                               [numpy_helper.from_array(w, "w")])
     src, dst = tmp_path / "float.onnx", tmp_path / f"int{bits}.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
-    feeds = _Feeds([{"x": g.uniform(0, 1, (1, 4, 64)).astype(np.float32)} for _ in range(4)])
+    feeds = Feeds([{"x": g.uniform(0, 1, (1, 4, 64)).astype(np.float32)} for _ in range(4)])
     record = int8.quantize(src, dst, "static", (), ["avx2"], feeds, static_ops=("MatMul",), weight_bits=bits)
     return dst, record
 
@@ -151,7 +134,7 @@ def test_a_weight_two_nodes_read_is_given_to_each_so_exact_products_load(tmp_pat
                               [numpy_helper.from_array(w, "w")])
     src, dst = tmp_path / "float.onnx", tmp_path / "int8.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
-    feeds = _Feeds([{"x": g.uniform(0, 1, (2, 16)).astype(np.float32)} for _ in range(4)])
+    feeds = Feeds([{"x": g.uniform(0, 1, (2, 16)).astype(np.float32)} for _ in range(4)])
     int8.quantize(src, dst, mode, (), ["avx2"], feeds if mode == "static" else None, static_ops=("MatMul",),
                   weight_bits=8)
     model = onnx.load(str(dst))
@@ -208,7 +191,7 @@ def test_static_int8_keeps_attention_products_float(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(src))
     assert int8.activation_matmuls(onnx.load(str(src))) == ["/attn/MatMul", "/attn/MatMul_1"]
 
-    feeds = _Feeds([{"x": rng.standard_normal((1, 6, 8)).astype(np.float32)} for _ in range(4)])
+    feeds = Feeds([{"x": rng.standard_normal((1, 6, 8)).astype(np.float32)} for _ in range(4)])
     record = int8.quantize(src, dst, "static", (), ["avx512_vnni"], feeds, static_ops=("MatMul",))
     model = onnx.load(str(dst))
     dequantized = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}

@@ -30,8 +30,9 @@ def quantiser(make_nodes, output: str, calls: list):
     """A stand-in for int8.quantize that writes the float32 graph rewired, and records what it was asked."""
     from d2export.exporting import int8
 
-    def quantize(src, dst, mode, scopes, features, pictures=None, method="minmax", static_ops=(), weight_bits=0):
-        calls.append({"scopes": tuple(scopes), "static_ops": tuple(static_ops), "mode": mode})
+    def quantize(src, dst, mode, scopes, features, pictures=None, method="minmax", static_ops=(), weight_bits=0,
+                 rounding="nearest"):
+        calls.append({"scopes": tuple(scopes), "static_ops": tuple(static_ops), "mode": mode, "rounding": rounding})
         rewired(src, dst, output, make_nodes)
         return int8.Int8Record(mode, list(static_ops), False, "", [], 0)
 
@@ -80,9 +81,10 @@ def test_a_graph_whose_tensors_move_past_int8s_tolerance_but_serves_the_same_is_
     monkeypatch.setattr(int8, "quantize", quantiser(unserved_scores_halved, "scores", calls))
     manifest = export("textdet_micro", tmp_path, "export.int8=static", f"export.calibration={text_pictures}",
                       "export.calibration_count=4", "export.int8_recipe=heads", f"verify.int8_accuracy={labelled_text}",
-                      "verify.batch=false", "verify.pin_selections=false", "export.lint=false")
+                      "verify.batch=false", "verify.pin_selections=false", "export.lint=false",
+                      "export.int8_rounding=gptq")
     assert calls == [{"scopes": get("testr").int8_head_scopes, "static_ops": ("Conv", "MatMul", "Gemm"),
-                      "mode": "static"}]
+                      "mode": "static", "rounding": "gptq"}]
     v = manifest.verification["int8"]
     assert manifest.precision == "int8" and v["passed"] is True and v["judged_by"] == "accuracy"
     assert v["recipe"] == "heads"

@@ -21,6 +21,7 @@ log = logging.getLogger("d2export")
 
 MODES = ("dynamic", "static")
 METHODS = ("minmax", "entropy", "percentile")
+ROUNDINGS = ("nearest", "gptq")
 # Conv through ConvInteger (dynamic) is slower than float on onnxruntime's CPU provider: dynamic takes the MatMuls;
 # static takes what the family's `int8_static_ops` says
 DYNAMIC_OPS = ("MatMul", "Gemm")
@@ -37,6 +38,7 @@ class Int8Record:
     kept_float: list  # node names of the quantised op types left float
     quantized: int  # nodes of those types quantised
     calibration: dict | None = None
+    rounding: str = "nearest"  # of the weights: nearest, or gptq (weight_rounding.py)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -213,14 +215,18 @@ def calibrator_running(ops: Sequence[str]) -> Iterator[None]:
 
 def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: Sequence[str],
              pictures: Pictures | None = None, method: str = "minmax",
-             static_ops: Sequence[str] = ("Conv", "MatMul", "Gemm"), weight_bits: int = 0) -> Int8Record:
-    """The float32 graph at `src` quantised into `dst` (static needs `pictures`; it quantises `static_ops`)."""
+             static_ops: Sequence[str] = ("Conv", "MatMul", "Gemm"), weight_bits: int = 0,
+             rounding: str = "nearest") -> Int8Record:
+    """The float32 graph at `src` quantised into `dst` (static needs `pictures`; it quantises `static_ops`);
+    `rounding` gptq re-rounds the MatMul and Gemm weights against the pictures' activations (weight_rounding.py)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     if mode not in MODES:
         raise ValueError(f"export.int8={mode!r}: choose one of {MODES}")
+    if rounding not in ROUNDINGS or (rounding == "gptq" and mode != "static"):
+        raise ValueError(f"export.int8_rounding={rounding!r}: choose one of {ROUNDINGS} (gptq with static int8)")
     op_types = list(DYNAMIC_OPS if mode == "dynamic" else static_ops)
     reduce_range, why = reduce_range_for(features, weight_bits)
     from d2export.kernels.custom_ops import graph_ops
@@ -265,9 +271,16 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
                                 activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, nodes_to_exclude=kept,
                                 calibrate_method=methods[method], extra_options=options)
             calibration = {"pictures": len(pictures), "method": method}
-    written = onnx.load(str(dst))
-    if own_weights(written):
+        written = onnx.load(str(dst))
+        if rounding == "gptq":
+            from d2export.exporting import weight_rounding
+
+            pictures.set_range(0, len(pictures))
+            refined = weight_rounding.refine(written, weight_rounding.float_originals(onnx.load(str(pre))),
+                                             iter(pictures.get_next, None), reduce_range, custom)
+            calibration["gptq_weights"] = refined
+    if own_weights(written) or rounding == "gptq":
         onnx.save(written, str(dst))
     quantized = quantized_count(written)
-    return Int8Record(mode, op_types, reduce_range, why, kept, quantized, calibration)
+    return Int8Record(mode, op_types, reduce_range, why, kept, quantized, calibration, rounding)
 

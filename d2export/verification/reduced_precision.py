@@ -63,14 +63,14 @@ def quantise_to_int8(subject: Subject) -> dict:
     if e.int8 == "static":
         files = picture_files(e.calibration, e.calibration_count)
         pictures = int8.Pictures(files, _picture_feeds(built, path, subject.exporter))
-    how = (f"calibrating on {len(pictures)} pictures ({e.calibration_method})" if pictures
-           else "weights int8, activations quantised per run")
+    how = (f"calibrating on {len(pictures)} pictures ({e.calibration_method}), weights rounded {e.int8_rounding}"
+           if pictures else "weights int8, activations quantised per run")
     progress.step(5, f"quantising to int8 ({e.int8}, recipe {e.int8_recipe})", how)
     quantized = path.with_name(f".{path.name}.int8")
     try:
         with progress.busy("quantising"):
             record = int8.quantize(path, quantized, e.int8, scopes, cpu_features(), pictures, e.calibration_method,
-                                   static_ops, e.int8_weight_bits)
+                                   static_ops, e.int8_weight_bits, e.int8_rounding)
         if judged:
             progress.step(5, "scoring the int8 graph", f"{len(held.records)} labelled pictures of {held.dataset}")
             accuracy = held_out_accuracy.judge(reference, held_out_accuracy.served_run(subject, held, quantized,
