@@ -11,12 +11,18 @@ onnxruntime runs fast.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+log = logging.getLogger("d2export")
+
 DAMPING = 0.01  # of H's mean diagonal, added to it: H of a few pictures is near singular
+BLOCK = 128  # rows rounded between two updates of the rows after them
+MAX_ROWS = 8192  # a product with more rows (a 3x3 convolution of 2048 channels: 18432) keeps its nearest rounding:
+# H in float64 and its inverse would take 2.7 GB each
 
 
 @dataclass
@@ -140,10 +146,14 @@ def gptq(w: np.ndarray, scale: np.ndarray, h: np.ndarray, qmin: int, qmax: int) 
     inverse = np.linalg.inv(h)
     u = np.linalg.cholesky((inverse + inverse.T) / 2).T  # upper: H⁻¹ = uᵀu
     q = np.empty_like(w)
-    for k in range(w.shape[0]):
-        q[k] = np.clip(np.round(w[k] / scale), qmin, qmax)
-        error = (w[k] - q[k] * scale) / u[k, k]
-        w[k + 1:] -= np.outer(u[k, k + 1:], error)
+    for start in range(0, len(w), BLOCK):  # the rows after a block get its errors in one product, as row by row
+        end = min(start + BLOCK, len(w))
+        errors = np.empty((end - start, w.shape[1]))
+        for k in range(start, end):
+            q[k] = np.clip(np.round(w[k] / scale), qmin, qmax)
+            errors[k - start] = (w[k] - q[k] * scale) / u[k, k]
+            w[k + 1:end] -= np.outer(u[k, k + 1:end], errors[k - start])
+        w[end:] -= u[start:end, end:].T @ errors
     rounded = np.empty_like(q)
     rounded[order] = q
     return rounded.astype(np.int8)
@@ -157,6 +167,11 @@ def refine(model, float_weights: dict[str, np.ndarray], feeds, reduce_range: boo
 
     qmin, qmax = (-64, 64) if reduce_range else (-127, 127)  # onnxruntime's symmetric int8 ranges
     weights = [w for w in quantised_weights(model) if w.product in float_weights]
+    large = [w.product for w in weights if w.rows(float_weights[w.product]).shape[0] > MAX_ROWS]
+    if large:
+        log.info("gptq: %d product(s) of more than %d rows keep their nearest rounding: %s", len(large), MAX_ROWS,
+                 ", ".join(large))
+    weights = [w for w in weights if w.product not in large]
     moments = second_moments(model, weights, feeds, ops)
     stored = {t.name: t for t in model.graph.initializer}
     for weight in weights:
