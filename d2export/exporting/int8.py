@@ -218,7 +218,7 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
              static_ops: Sequence[str] = ("Conv", "MatMul", "Gemm"), weight_bits: int = 0,
              rounding: str = "nearest") -> Int8Record:
     """The float32 graph at `src` quantised into `dst` (static needs `pictures`; it quantises `static_ops`);
-    `rounding` gptq re-rounds the MatMul and Gemm weights against the pictures' activations (weight_rounding.py)."""
+    `rounding` gptq re-rounds the quantised weights against the pictures' activations (weight_rounding.py)."""
     import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process

@@ -2,10 +2,9 @@
 
 Rounding each weight to its nearest step looked like what costs the heads recipe its accuracy: with activations
 nearly exact the micro spotter lost as much, with weights nearly exact almost nothing (one set of 1000 pictures;
-docs/precision.md). GPTQ rounds a product's input
-rows one at a time and spreads each row's rounding error over the rows not yet rounded, weighted by how the
-calibration pictures' activations correlate (their second moment H = XᵀX), so the product's output moves least.
-Convolutions are products of their input's patches. Written here: onnxruntime's own GPTQ (4-bit MatMulNBits) goes
+docs/precision.md). GPTQ rounds a product's input rows one at a time and spreads each row's rounding error over the
+rows not yet rounded, weighted by how the calibration pictures' activations correlate (their second moment H = XᵀX),
+so the product's output moves least. Convolutions are products of their input's patches. Written here: onnxruntime's own GPTQ (4-bit MatMulNBits) goes
 through neural-compressor 2.x, whose ONNX adaptor 3.x dropped, and rounds for other operators than the QDQ int8 graph
 onnxruntime runs fast.
 """
@@ -23,6 +22,7 @@ DAMPING = 0.01  # of H's mean diagonal, added to it: H of a few pictures is near
 BLOCK = 128  # rows rounded between two updates of the rows after them
 MAX_ROWS = 8192  # a product with more rows (a 3x3 convolution of 2048 channels: 18432) keeps its nearest rounding:
 # H in float64 and its inverse would take 2.7 GB each
+MAX_PATCHES = 4096  # a convolution's output positions per picture whose patches enter H: enough for its C·kh·kw rows
 
 
 @dataclass
@@ -59,8 +59,6 @@ class Weight:
         b, i, j = np.unravel_index(np.arange(0, positions, max(1, positions // MAX_PATCHES)), windows.shape[:3])
         return windows[b, i, j].reshape(len(b), -1)  # only the positions taken are copied
 
-
-MAX_PATCHES = 4096  # a convolution's output positions per picture whose patches enter H: enough for its C·kh·kw rows
 
 
 def quantised_weights(model) -> list[Weight]:
@@ -162,7 +160,7 @@ def gptq(w: np.ndarray, scale: np.ndarray, h: np.ndarray, qmin: int, qmax: int) 
 def refine(model, float_weights: dict[str, np.ndarray], feeds, reduce_range: bool, ops: Sequence[str] = ()) -> int:
     """Re-rounds in place the int8 weights of `model` (QDQ, per-channel symmetric) whose float originals
     `float_weights` holds by product name (as the graph stores them), from the pictures' activations (`feeds`).
-    Returns the weights re-rounded."""
+    Returns the stored weights re-rounded."""
     from onnx import numpy_helper
 
     qmin, qmax = (-64, 64) if reduce_range else (-127, 127)  # onnxruntime's symmetric int8 ranges
@@ -173,13 +171,17 @@ def refine(model, float_weights: dict[str, np.ndarray], feeds, reduce_range: boo
                  ", ".join(large))
     weights = [w for w in weights if w.product not in large]
     moments = second_moments(model, weights, feeds, ops)
-    stored = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, list[Weight]] = {}  # a module called twice reads one stored weight: it is rounded for both
     for weight in weights:
+        readers.setdefault(weight.values, []).append(weight)
+    stored = {t.name: t for t in model.graph.initializer}
+    for values, (weight, *others) in readers.items():
         original = float_weights[weight.product]
         scale = numpy_helper.to_array(stored[weight.scale]).astype(np.float64)
-        rows = gptq(weight.rows(original), scale, moments[weight.activation, weight.geometry], qmin, qmax)
-        stored[weight.values].CopyFrom(numpy_helper.from_array(weight.stored(rows, original.shape), weight.values))
-    return len(weights)
+        h = sum(moments[r.activation, r.geometry] for r in (weight, *others))
+        rows = gptq(weight.rows(original), scale, h, qmin, qmax)
+        stored[values].CopyFrom(numpy_helper.from_array(weight.stored(rows, original.shape), values))
+    return len(readers)
 
 
 def float_originals(model) -> dict[str, np.ndarray]:
