@@ -108,9 +108,9 @@ class ExportConfig:
                                 "8-bit weights are finer; served on a CPU without VNNI, onnxruntime computes them "
                                 "exactly but slower, and OpenVINO refuses them there (its products would saturate)")
     int8_rounding: str = opt("nearest", "with static int8: how weights are rounded to their steps: nearest | gptq "
-                             "(GPTQ: each product's rounding error carried onto the rows not yet rounded, weighted by the "
-                             "calibration pictures' activations; the scales unchanged, so it serves at the same speed; "
-                             "docs/precision.md has what it paid)")
+                             "(GPTQ: each product's rounding error carried onto the rows not yet rounded, weighted by "
+                             "the calibration pictures' activations; the scales unchanged, so it serves at the same "
+                             "speed; docs/precision.md has what it paid)")
     int8_keep_float: List[str] = opt(factory=list, help="with int8: modules whose convolutions and MatMuls stay float "
                                      "besides the recipe's, by name as in the graph's node paths (backbone, "
                                      "input_proj, linear1 …); a name that matches no such node is refused")

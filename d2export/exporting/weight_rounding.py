@@ -4,9 +4,9 @@ Rounding each weight to its nearest step looked like what costs the heads recipe
 nearly exact the micro spotter lost as much, with weights nearly exact almost nothing (one set of 1000 pictures;
 docs/precision.md). GPTQ rounds a product's input rows one at a time and spreads each row's rounding error over the
 rows not yet rounded, weighted by how the calibration pictures' activations correlate (their second moment H = XᵀX),
-so the product's output moves least. Convolutions are products of their input's patches. Written here: onnxruntime's own GPTQ (4-bit MatMulNBits) goes
-through neural-compressor 2.x, whose ONNX adaptor 3.x dropped, and rounds for other operators than the QDQ int8 graph
-onnxruntime runs fast.
+so the product's output moves least. Convolutions are products of their input's patches. Written here:
+onnxruntime's own GPTQ (4-bit MatMulNBits) goes through neural-compressor 2.x, whose ONNX adaptor 3.x dropped, and
+rounds for other operators than the QDQ int8 graph onnxruntime runs fast.
 """
 from __future__ import annotations
 
