@@ -276,7 +276,7 @@ def quantize(src: Path, dst: Path, mode: str, scopes: Sequence[str], features: S
             from d2export.exporting import weight_rounding
 
             pictures.set_range(0, len(pictures))
-            refined = weight_rounding.refine(written, weight_rounding.float_originals(onnx.load(str(pre))),
+            refined = weight_rounding.refine(written, weight_rounding.float_originals(prepared),
                                              iter(pictures.get_next, None), reduce_range, custom)
             calibration["gptq_weights"] = refined
     if own_weights(written) or rounding == "gptq":

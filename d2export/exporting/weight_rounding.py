@@ -60,7 +60,6 @@ class Weight:
         return windows[b, i, j].reshape(len(b), -1)  # only the positions taken are copied
 
 
-
 def quantised_weights(model) -> list[Weight]:
     """The MatMul, Gemm and (ungrouped) Conv nodes fed a quantised activation and a dequantised int8 weight per
     output channel."""

@@ -181,8 +181,8 @@ def write_repository(model_path: str | os.PathLike, repo: str | os.PathLike, nam
     quantization = (manifest.verification or {}).get("int8", {}).get("quantization", {})
     if manifest.precision == "int8" and quantization.get("reduce_range") is False:
         log.warning("%s: its int8 weights use 8 bits: serve it on CPUs with VNNI or AMX. On one without, Triton's "
-                    "onnxruntime backend would saturate their products: it passes no config entry that asks for exact ones "
-                    "(d2export's own sessions do); export.int8_weight_bits=7 suits any CPU", model_path.name)
+                    "onnxruntime backend would saturate their products: it passes no config entry that asks for exact "
+                    "ones (d2export's own sessions do); export.int8_weight_bits=7 suits any CPU", model_path.name)
     library = operator_library(manifest, model_path)  # checked before anything is written
     name = name or model_path.stem
     if not re.fullmatch(r"[A-Za-z0-9_.\-]+", name):
