@@ -316,8 +316,11 @@ def test_the_semantic_scores_are_resized_only_at_class_borders(seed, originals, 
                             INPUTS[i], originals[i], False)["semantic_pixels"] for i, ref in enumerate(refs)]
 
     border, sure, resized = _mask_passes._border_classes, _mask_passes._sure, []
+    bounds, bounded = _mask_passes._bounded, []
     monkeypatch.setattr(_mask_passes, "_border_classes", lambda *a: resized.append(len(a[-1])) or border(*a))
+    monkeypatch.setattr(_mask_passes, "_bounded", lambda *a: bounded.append(bounds(*a)) or bounded[-1])
     assert pixels_off() == [0, 0]
+    assert min(b.mean() for b in bounded) > 0.3  # most of the field's pixels decided by their cells' bounds
     assert 0 < sum(resized) < 0.3 * sum(h * w for h, w in originals)
     monkeypatch.setattr(_mask_passes, "_sure", lambda semantic, ri, ci, first: np.zeros(first.shape, bool))
     assert pixels_off() == [0, 0]  # every pixel resized
@@ -326,6 +329,63 @@ def test_the_semantic_scores_are_resized_only_at_class_borders(seed, originals, 
     monkeypatch.setattr(_mask_passes, "_border_classes",
                         lambda field, semantic, rows, cols, ys, xs: semantic.map[rows[0][ys, 0], cols[0][xs, 0]])
     assert min(pixels_off()) > 0
+
+
+def _semantic_both_ways(masks: np.ndarray, classes: np.ndarray, rows, cols):
+    """The semantic map and margins of one picture's field from the cells' bounds (where they decide), and from
+    every pixel's scores; which pixels the bounds decided."""
+    def field():
+        return _mask_passes.Upsampled(masks, rows, cols)
+
+    bound = _mask_passes._SemanticMap(classes, field().shape[1:], margins=True)
+    bounded = _mask_passes._bounded(field(), bound)
+    every = _mask_passes._SemanticMap(classes, field().shape[1:], margins=True)
+    _mask_passes._per_pixel(field(), every)
+    return bound, every, bounded
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("scale", [1, 30])  # trained-like logits; far out of range (probabilities of exactly 0 and 1)
+def test_cells_a_bound_decides_are_what_every_pixel_finds(seed, scale):
+    """A cell's bound (the least and greatest mask logit over the window its pixels read) decides a class only where
+    every pixel's own scores give it that class by the margin: upsampled up and down, non-square, cropped."""
+    outputs = fake_outputs(seed, 1, (32, 40))
+    masks, classes = outputs["pred_masks"][0] * scale, _mask_rules.softmax(outputs["pred_logits"][0])[:, :-1]
+    a, b = np.argsort(classes[2])[-2:]  # query 3 as query 2 with its two best classes swapped: where the two
+    masks[3], classes[3] = masks[2], classes[2]  # lead, those classes tie, and no bound may pick one
+    classes[3, [a, b]] = classes[2, [b, a]]
+    for rows, cols in [(_mask_resize._taps(32, 128, 101), _mask_resize._taps(40, 160, 150)),
+                       (_mask_resize._taps(32, 24), _mask_resize._taps(40, 17)), (None, _mask_resize._taps(40, 77))]:
+        bound, every, bounded = _semantic_both_ways(masks, classes, rows, cols)
+        assert 0.3 < bounded.mean() < 1  # the bounds decide most pixels, not all
+        np.testing.assert_array_equal(bound.map[bounded], every.map[bounded])
+        assert every.decided[bounded].all()
+
+
+def test_a_bound_over_too_few_taps_is_caught(monkeypatch):
+    # bounds over each cell's first row and column alone (a window one tap wide) decide pixels they do not bound:
+    # the comparison with every pixel's scores, and upstream's result, catch it
+    outputs = fake_outputs(0, 2, (32, 40))
+    masks, classes = outputs["pred_masks"][0], _mask_rules.softmax(outputs["pred_logits"][0])[:, :-1]
+    windows = _mask_passes._windows
+    monkeypatch.setattr(_mask_passes, "_windows", lambda *a: (windows(*a)[0], 1))
+    bound, every, bounded = _semantic_both_ways(masks, classes, _mask_resize._taps(32, 128, 101),
+                                                _mask_resize._taps(40, 160, 150))
+    assert (bound.map[bounded] != every.map[bounded]).any() or not every.decided[bounded].all()
+    post = post_dict(False, panoptic=False, instance=False)
+    refs = reference(standin(), outputs, INPUTS, ORIGINALS, post)
+    assert sum(differences(_mask_predictions.mask_prediction(outputs, i, INPUTS[i], ORIGINALS[i], post), ref,
+                           INPUTS[i], ORIGINALS[i], False)["semantic_pixels"] for i, ref in enumerate(refs)) > 0
+
+
+def test_taps_that_are_not_windows_are_not_bounded():
+    index, weight = (np.array(a) for a in _mask_resize._taps(8, 20))
+    assert _mask_passes._windows((index, weight), 8, 20)[1] == 2
+    gap, negative = index.copy(), weight.copy()
+    gap[5, 1] += 1  # taps two apart
+    negative[5] = (-0.25, 1.25)  # a weight below 0: outputs may leave their taps' range
+    assert _mask_passes._windows((gap, weight), 8, 20) is None
+    assert _mask_passes._windows((index, negative), 8, 20) is None
 
 
 @pytest.mark.parametrize("before", [True, False])

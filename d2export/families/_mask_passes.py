@@ -1,6 +1,7 @@
 """Mask post-processing's per-pixel passes, numpy only: the upsampled masks made a band of rows at a time, each task's
 pass over a band (panoptic's competition, instance masks and their sums, the semantic argmax) and the threads the bands
-run on, so a band is made, used and dropped in cache and no [Q, H, W] stack is ever whole."""
+run on, so a band is made, used and dropped in cache and no [Q, H, W] stack is ever whole. The semantic map is first
+decided a cell at a time where bounds on the cell's mask logits settle it (`_bounded`), and made per pixel elsewhere."""
 from __future__ import annotations
 
 import os
@@ -45,7 +46,8 @@ class Upsampled:
     reads."""
 
     def __init__(self, masks: np.ndarray, rows: Taps | None, cols: Taps | None):
-        masks = np.asarray(masks, np.float32)
+        masks = self.masks = np.asarray(masks, np.float32)
+        self.cols = cols
         if cols is None:
             self.columns = masks  # [Q, h, W]
         else:
@@ -175,15 +177,34 @@ class _SemanticMap:
         """[Q, n] mask probabilities → [n, K] class scores (lifted): the argmax along contiguous memory."""
         return (probs * _LIFTED).T @ self.classes
 
+    def lead(self, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """[Q, n] mask probabilities → each pixel's class, and (with margins) whether it is decided."""
+        scores = self.scores(probs)
+        best = scores.argmax(-1)
+        if self.decided is None:
+            return best, None
+        top = np.take_along_axis(scores, best[:, None], 1)[:, 0]
+        np.put_along_axis(scores, best[:, None], -np.inf, 1)
+        return best, top - scores.max(-1) > self.tolerance * top
+
     def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray | None) -> None:
         q, rows, w = probs.shape
-        scores = self.scores(probs.reshape(q, -1))
-        best = scores.argmax(-1)
+        best, decided = self.lead(probs.reshape(q, -1))
         self.map[start:stop] = best.reshape(rows, w)
-        if self.decided is not None:
-            top = np.take_along_axis(scores, best[:, None], 1)[:, 0]
-            np.put_along_axis(scores, best[:, None], -np.inf, 1)
-            self.decided[start:stop] = (top - scores.max(-1) > self.tolerance * top).reshape(rows, w)
+        if decided is not None:
+            self.decided[start:stop] = decided.reshape(rows, w)
+
+    def pixels(self, field: Upsampled, ys: np.ndarray, xs: np.ndarray) -> None:
+        """The class (and margin) of the pixels (ys, xs) alone, a few at a time on threads."""
+        def run(part: slice) -> None:
+            best, decided = self.lead(sigmoid(field.at(ys[part], xs[part])))
+            self.map[ys[part], xs[part]] = best
+            if decided is not None:
+                self.decided[ys[part], xs[part]] = decided
+
+        step = max(1, _BAND // len(self.classes))
+        with _one_blas_thread():
+            _each(run, [slice(s, s + step) for s in range(0, len(ys), step)])
 
 
 def semantic_resized(field: Upsampled, classes: np.ndarray, rows: Taps | None, cols: Taps | None) -> np.ndarray:
@@ -192,7 +213,11 @@ def semantic_resized(field: Upsampled, classes: np.ndarray, rows: Taps | None, c
     whose taps all read one class, decided at each, takes it: a weighted mean (weights >= 0) of score vectors that
     one class leads is led by it. Only the others (class borders, near ties) get their resized scores."""
     semantic = _SemanticMap(classes, field.shape[1:], margins=rows is not None or cols is not None)
-    _per_pixel(field, semantic)
+    bounded = _bounded(field, semantic)
+    if bounded is None:
+        _per_pixel(field, semantic)
+    else:  # the pixels of cells no bound decides, one by one
+        semantic.pixels(field, *np.nonzero(~bounded))
     if semantic.decided is None:
         return semantic.map
     (ri, rw), (ci, cw) = (t if t is not None else _identity(n) for t, n in zip((rows, cols), field.shape[1:]))
@@ -200,6 +225,67 @@ def semantic_resized(field: Upsampled, classes: np.ndarray, rows: Taps | None, c
     ys, xs = np.nonzero(~_sure(semantic, ri, ci, resized))
     resized[ys, xs] = _border_classes(field, semantic, (ri, rw), (ci, cw), ys, xs)
     return resized
+
+
+def _windows(taps: Taps | None, size: int, out: int) -> tuple[np.ndarray, int] | None:
+    """Per output, the start of the window of k consecutive inputs holding its taps, and k; None where the taps are
+    not such windows or a weight is negative (a bound needs outputs inside their inputs' range)."""
+    index, weight = taps if taps is not None else _identity(size)
+    k = min(index.shape[1], size)
+    start = np.minimum(index[:, 0], size - k)  # _taps' last outputs read (size-1, size-1): inside (size-2, size-1)
+    if len(index) != out or (weight < 0).any() or ((index < start[:, None]) | (index >= start[:, None] + k)).any():
+        return None
+    return start, k
+
+
+def _over_windows(reduce: np.ufunc, x: np.ndarray, k: int, axis: int) -> np.ndarray:
+    """reduce (np.minimum, np.maximum) of x over every window of k consecutive entries along axis."""
+    def window(j: int) -> np.ndarray:
+        return x[(slice(None),) * axis + (slice(j, x.shape[axis] - k + 1 + j),)]
+
+    out = window(0).copy()
+    for j in range(1, k):
+        reduce(out, window(j), out=out)
+    return out
+
+
+# A bilinear output lies within its taps' range up to a few units in the last place of float32, the sigmoid of a
+# bound within a few more: both are widened by far more than that (2^-16), which the cells a class leads never miss.
+_SLACK = np.float32(2.0 ** -16)
+
+
+def _bounded(field: Upsampled, semantic: _SemanticMap) -> np.ndarray | None:
+    """[H, W]: the pixels whose class and margin are set from a bound, their cell's (the pixels reading one window of
+    mask rows and columns). A mask logit at such a pixel lies between the window's least and greatest, so every
+    class score between the sums over those bounds' probabilities; a class whose least score leads every other's
+    greatest by the margin leads at each pixel of the cell, as `band` would find it. Inside regions (most pixels of
+    a trained model's map) that is most cells, for a few bound products per cell in place of one per pixel. None
+    where the taps are not windows."""
+    h, w = field.masks.shape[1:]
+    rows, cols = _windows(field.rows, h, field.shape[1]), _windows(field.cols, w, field.shape[2])
+    if rows is None or cols is None:
+        return None
+
+    def scores(reduce: np.ufunc, sign: int) -> np.ndarray:
+        """[cells, K]: the least (sign -1) or greatest (+1) class scores over each cell's pixels."""
+        logits = _over_windows(reduce, _over_windows(reduce, field.masks, rows[1], 1), cols[1], 2)  # [Q, cells]
+        logits += sign * _SLACK * (1 + np.abs(logits))
+        probs = sigmoid(logits) * (1 + sign * _SLACK)
+        sums = semantic.scores(probs.reshape(len(probs), -1))
+        return sums * (1 + sign * np.float32(2.0 ** -23 * len(probs)))  # beyond the float32 sum's own rounding
+
+    with _one_blas_thread():
+        least, most = _each(lambda bound: scores(*bound), [(np.minimum, -1), (np.maximum, 1)])
+    best = least.argmax(-1)
+    top, own = np.take_along_axis(least, best[:, None], 1)[:, 0], np.take_along_axis(most, best[:, None], 1)[:, 0]
+    np.put_along_axis(most, best[:, None], -np.inf, 1)
+    sure = (top - most.max(-1) > semantic.tolerance * own).reshape(h - rows[1] + 1, w - cols[1] + 1)
+    cell = np.ix_(rows[0], cols[0])  # each pixel's cell
+    bounded = sure[cell]
+    semantic.map[bounded] = best.reshape(sure.shape)[cell][bounded]
+    if semantic.decided is not None:
+        semantic.decided[bounded] = True
+    return bounded
 
 
 def _sure(semantic: _SemanticMap, ri: np.ndarray, ci: np.ndarray, first: np.ndarray) -> np.ndarray:
