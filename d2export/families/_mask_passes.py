@@ -256,30 +256,55 @@ _SLACK = np.float32(2.0 ** -16)
 
 def _bounded(field: Upsampled, semantic: _SemanticMap) -> np.ndarray | None:
     """[H, W]: the pixels whose class and margin are set from a bound, their cell's (the pixels reading one window of
-    mask rows and columns). A mask logit at such a pixel lies between the window's least and greatest, so every
-    class score between the sums over those bounds' probabilities; a class whose least score leads every other's
-    greatest by the margin leads at each pixel of the cell, as `band` would find it. Inside regions (most pixels of
-    a trained model's map) that is most cells, for a few bound products per cell in place of one per pixel. None
-    where the taps are not windows."""
-    h, w = field.masks.shape[1:]
+    mask rows and columns). A mask probability at such a pixel lies between the sigmoids of the window's least and
+    greatest logit; over that box, class c's score leads class k's by at least the sum over queries of (c's weight -
+    k's) times the least probability where that is positive, the greatest where negative (a query's weights move both
+    scores together, so this is far tighter than c's least score against k's greatest, which is tried first: enough
+    inside a trained model's regions, not for seeded weights' noise). Where c's lead over every
+    other class is beyond twice the margin (a pixel's own sums may sit Q units in the last place off the exact ones),
+    each pixel of the cell finds c, decided, as `band` would. That is most cells of a map (a trained model's regions
+    and seeded weights' noise alike), for a few products per cell in place of one per pixel. None where the taps are
+    not windows."""
+    (q, h, w), classes = field.masks.shape, semantic.classes
     rows, cols = _windows(field.rows, h, field.shape[1]), _windows(field.cols, w, field.shape[2])
     if rows is None or cols is None:
         return None
 
-    def scores(reduce: np.ufunc, sign: int) -> np.ndarray:
-        """[cells, K]: the least (sign -1) or greatest (+1) class scores over each cell's pixels."""
-        logits = _over_windows(reduce, _over_windows(reduce, field.masks, rows[1], 1), cols[1], 2)  # [Q, cells]
+    def probabilities(reduce: np.ufunc, sign: int) -> np.ndarray:
+        """[cells, Q]: each cell's least (sign -1) or greatest (+1) mask probability (lifted), widened."""
+        logits = _over_windows(reduce, _over_windows(reduce, field.masks, rows[1], 1), cols[1], 2)
         logits += sign * _SLACK * (1 + np.abs(logits))
-        probs = sigmoid(logits) * (1 + sign * _SLACK)
-        sums = semantic.scores(probs.reshape(len(probs), -1))
-        return sums * (1 + sign * np.float32(2.0 ** -23 * len(probs)))  # beyond the float32 sum's own rounding
+        probs = sigmoid(logits) * (_LIFTED * (1 + sign * _SLACK))
+        return np.ascontiguousarray(probs.reshape(q, -1).T)
+
+    def coupled(over: np.ndarray) -> np.ndarray:  # the least leads of best[over] (one class) over each class
+        d = classes[:, best[over[0]], None] - classes  # sign-exact: the difference of two floats
+        return least[over] @ np.maximum(d, 0) + most[over] @ np.minimum(d, 0)
+
+    rounding = np.float32(2.0 ** -22 * (q + 2))  # units in the last place of own + high (the differences' and the
+    # products' rounding) by which a lead, c's scores or k's may be off the exact ones: taken off
+
+    def settled(over: np.ndarray, leads: np.ndarray) -> np.ndarray:
+        own = high[over, best[over]]
+        leads -= rounding * (own[:, None] + high[over])
+        leads[np.arange(len(over)), best[over]] = np.inf
+        return leads.min(-1) > 2 * semantic.tolerance * own
 
     with _one_blas_thread():
-        least, most = _each(lambda bound: scores(*bound), [(np.minimum, -1), (np.maximum, 1)])
-    best = least.argmax(-1)
-    top, own = np.take_along_axis(least, best[:, None], 1)[:, 0], np.take_along_axis(most, best[:, None], 1)[:, 0]
-    np.put_along_axis(most, best[:, None], -np.inf, 1)
-    sure = (top - most.max(-1) > semantic.tolerance * own).reshape(h - rows[1] + 1, w - cols[1] + 1)
+        least, most = _each(lambda bound: probabilities(*bound), [(np.minimum, -1), (np.maximum, 1)])
+        low, high = _each(lambda probs: probs @ classes, [least, most])
+        best = low.argmax(-1)
+        cells = np.arange(len(best))
+        own = high[cells, best]
+        high[cells, best] = -np.inf
+        other = high.max(-1)  # first c's least score against the greatest of any other class
+        high[cells, best] = own
+        sure = low[cells, best] - rounding * (own + other) - other > 2 * semantic.tolerance * own
+        loose = [over[~sure[over]] for over in (np.flatnonzero(best == c) for c in np.unique(best))]
+        loose = [over for over in loose if len(over)]
+        for over, leads in zip(loose, _each(coupled, loose)):
+            sure[over] = settled(over, leads)
+    sure = sure.reshape(h - rows[1] + 1, w - cols[1] + 1)
     cell = np.ix_(rows[0], cols[0])  # each pixel's cell
     bounded = sure[cell]
     semantic.map[bounded] = best.reshape(sure.shape)[cell][bounded]
