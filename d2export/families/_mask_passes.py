@@ -300,7 +300,9 @@ def _bounded(field: Upsampled, semantic: _SemanticMap) -> np.ndarray | None:
         other = high.max(-1)  # first c's least score against the greatest of any other class
         high[cells, best] = own
         sure = low[cells, best] - rounding * (own + other) - other > 2 * semantic.tolerance * own
-        loose = [over[~sure[over]] for over in (np.flatnonzero(best == c) for c in np.unique(best))]
+        # the lead over the box is at most the lead at its greatest corner: where that is short, so is the box's
+        hopeless = own - other <= 2 * semantic.tolerance * own
+        loose = [over[~(sure | hopeless)[over]] for over in (np.flatnonzero(best == c) for c in np.unique(best))]
         loose = [over for over in loose if len(over)]
         for over, leads in zip(loose, _each(coupled, loose)):
             sure[over] = settled(over, leads)
