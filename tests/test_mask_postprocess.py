@@ -378,6 +378,18 @@ def test_a_bound_over_too_few_taps_is_caught(monkeypatch):
                            INPUTS[i], ORIGINALS[i], False)["semantic_pixels"] for i, ref in enumerate(refs)) > 0
 
 
+def test_weights_below_zero_are_not_bounded():
+    # the bounds hold for probabilities as weights (every rule's): with a negative weight the least probability no
+    # longer gives the least score, and no cell is decided from them
+    outputs = fake_outputs(1, 1, (32, 40))
+    classes = _mask_rules.softmax(outputs["pred_logits"][0])[:, :-1]
+    classes[0, 0] = -1e-3
+    field = _mask_passes.Upsampled(outputs["pred_masks"][0], _mask_resize._taps(32, 128), _mask_resize._taps(40, 160))
+    assert _mask_passes._bounded(field, _mask_passes._SemanticMap(classes, field.shape[1:], margins=True)) is None
+    classes[0, 0] = np.nan
+    assert _mask_passes._bounded(field, _mask_passes._SemanticMap(classes, field.shape[1:], margins=True)) is None
+
+
 def test_taps_that_are_not_windows_are_not_bounded():
     index, weight = (np.array(a) for a in _mask_resize._taps(8, 20))
     assert _mask_passes._windows((index, weight), 8, 20)[1] == 2

@@ -264,10 +264,10 @@ def _bounded(field: Upsampled, semantic: _SemanticMap) -> np.ndarray | None:
     other class is beyond twice the margin (a pixel's own sums may sit Q units in the last place off the exact ones),
     each pixel of the cell finds c, decided, as `band` would. That is most cells of a map (a trained model's regions
     and seeded weights' noise alike), for a few products per cell in place of one per pixel. None where the taps are
-    not windows."""
+    not windows or a class weight is negative or not a number (every rule's weights are probabilities)."""
     (q, h, w), classes = field.masks.shape, semantic.classes
     rows, cols = _windows(field.rows, h, field.shape[1]), _windows(field.cols, w, field.shape[2])
-    if rows is None or cols is None:
+    if rows is None or cols is None or not (classes >= 0).all():  # a negative weight turns the box's bounds over
         return None
 
     def probabilities(reduce: np.ufunc, sign: int) -> np.ndarray:
