@@ -211,7 +211,8 @@ def semantic_resized(field: Upsampled, classes: np.ndarray, rows: Taps | None, c
     """sem_seg_postprocess's resize of semantic_inference's scores (bilinear, from the field's size), then their
     argmax, without resizing K score maps: the argmax is made at the field's size, with margins. An output pixel
     whose taps all read one class, decided at each, takes it: a weighted mean (weights >= 0) of score vectors that
-    one class leads is led by it. Only the others (class borders, near ties) get their resized scores."""
+    one class leads is led by it. Only the others (class borders, near ties) get their resized scores. The field's
+    classes are decided a cell at a time where `_bounded` can, each pixel's own scores made elsewhere."""
     semantic = _SemanticMap(classes, field.shape[1:], margins=rows is not None or cols is not None)
     bounded = _bounded(field, semantic)
     if bounded is None:
@@ -257,14 +258,14 @@ _SLACK = np.float32(2.0 ** -16)
 def _bounded(field: Upsampled, semantic: _SemanticMap) -> np.ndarray | None:
     """[H, W]: the pixels whose class and margin are set from a bound, their cell's (the pixels reading one window of
     mask rows and columns). A mask probability at such a pixel lies between the sigmoids of the window's least and
-    greatest logit; over that box, class c's score leads class k's by at least the sum over queries of (c's weight -
-    k's) times the least probability where that is positive, the greatest where negative (a query's weights move both
-    scores together, so this is far tighter than c's least score against k's greatest, which is tried first: enough
-    inside a trained model's regions, not for seeded weights' noise). Where c's lead over every
-    other class is beyond twice the margin (a pixel's own sums may sit Q units in the last place off the exact ones),
-    each pixel of the cell finds c, decided, as `band` would. That is most cells of a map (a trained model's regions
-    and seeded weights' noise alike), for a few products per cell in place of one per pixel. None where the taps are
-    not windows or a class weight is negative or not a number (every rule's weights are probabilities)."""
+    greatest logit. Over that box, class c's score leads class k's by at least the sum over queries of (c's weight -
+    k's) times the least probability where that is positive, the greatest where negative: a query's weights move both
+    scores together, so this is far tighter than c's least score against k's greatest (tried first: enough inside a
+    trained model's regions, not in seeded weights' noise). Where c's lead over every other class is beyond twice the
+    margin (a pixel's own sums may sit Q units in the last place off the exact ones), each pixel of the cell finds c,
+    decided, as `band` would: most cells of a map, for a few products per cell in place of one per pixel. None where
+    the taps are not windows or a class weight is negative or not a number (every rule's weights are
+    probabilities)."""
     (q, h, w), classes = field.masks.shape, semantic.classes
     rows, cols = _windows(field.rows, h, field.shape[1]), _windows(field.cols, w, field.shape[2])
     if rows is None or cols is None or not (classes >= 0).all():  # a negative weight turns the box's bounds over
@@ -281,8 +282,9 @@ def _bounded(field: Upsampled, semantic: _SemanticMap) -> np.ndarray | None:
         d = classes[:, best[over[0]], None] - classes  # sign-exact: the difference of two floats
         return least[over] @ np.maximum(d, 0) + most[over] @ np.minimum(d, 0)
 
-    rounding = np.float32(2.0 ** -22 * (q + 2))  # units in the last place of own + high (the differences' and the
-    # products' rounding) by which a lead, c's scores or k's may be off the exact ones: taken off
+    # a lead made of c's scores and k's (or of their weights' differences) may be off the exact one by (2Q + 4) units
+    # in the last place of own + high, the differences' and the products' rounding: taken off
+    rounding = np.float32(2.0 ** -22 * (q + 2))
 
     def settled(over: np.ndarray, leads: np.ndarray) -> np.ndarray:
         own = high[over, best[over]]
