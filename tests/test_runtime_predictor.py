@@ -240,6 +240,24 @@ def test_serving_sessions_keep_matmul_and_add_apart(tmp_path, providers, off):
     assert ("SkipLayerNormalization" in ops) is ("SkipLayerNormFusion" not in off)
 
 
+def test_served_sessions_stop_spinning_when_a_run_returns(tmp_path):
+    # onnxruntime's pool threads would spin on after a run, taking the cores from the post-processing that follows
+    import onnxruntime as ort
+
+    from d2export.runtime.providers import SPINNING_STOP_KEY, config_entry, serving_settings
+
+    matmul_add_graph(tmp_path / "mm.onnx")
+    for providers in (["CPUExecutionProvider"], ["CUDAExecutionProvider", "CPUExecutionProvider"]):
+        options = ort.SessionOptions()
+        serving_settings(options, providers)
+        session = ort.InferenceSession(str(tmp_path / "mm.onnx"), options, providers=["CPUExecutionProvider"])
+        assert config_entry(session.get_session_options(), SPINNING_STOP_KEY) == "1"
+    options = ort.SessionOptions()
+    options.add_session_config_entry(SPINNING_STOP_KEY, "0")  # a caller's own choice stays
+    serving_settings(options, ["CPUExecutionProvider"])
+    assert config_entry(options, SPINNING_STOP_KEY) == "0"
+
+
 class FakeCudaSession:
     """A CPU session that says it runs on the CUDA provider with the options it was given (onnxruntime's CPU build
     cannot make one)."""

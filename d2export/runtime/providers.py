@@ -37,6 +37,10 @@ DISABLED_OPTIMIZERS_KEY = "optimization.disable_specified_optimizers"  # a sessi
 # onnxruntime's exact u8s8 products on x86 without VNNI: int8 weights past ±64 (8-bit ones) are widened so that pairs
 # of products cannot saturate 16 bits (7-bit weights are left as they are, at full speed)
 EXACT_INT8_KEY = "session.x64quantprecision"
+# onnxruntime's pool threads stop spin-waiting as soon as a run returns (and spin again in the next): the served
+# post-processing after it gets the cores. Mask2Former semantic int8 at 640², 2 threads, AMD EPYC AVX2: its
+# post-processing right after the graph 89 -> 69 ms, the graph 587 -> 580 ms (12 interleaved rounds)
+SPINNING_STOP_KEY = "session.force_spinning_stop"
 CUDA_DISABLED_OPTIMIZERS = ("MatMulAddFusion",)
 # The CPU's own sessions: that Gemm and onnxruntime's SkipLayerNormalization (Add + LayerNormalization) measured
 # slower than the nodes they replace on the CPU, in torch.export's graphs (2D linears, where TorchScript's are 3D and
@@ -74,10 +78,13 @@ def serving_settings(options, providers: Sequence[str], precision: str = "float3
                      given: Sequence[dict] | None = None) -> list[dict]:
     """What a session of `providers` serving a graph of `precision` gets, for the Predictor and for verification
     alike: `options` (onnxruntime SessionOptions) with `CUDA_DISABLED_OPTIMIZERS` turned off where CUDA serves,
-    `CPU_DISABLED_OPTIMIZERS` where the CPU alone does, and an int8 graph's products exact on a CPU without VNNI
-    (`EXACT_INT8_KEY`); returns each provider's options (`options_per_provider`)."""
+    `CPU_DISABLED_OPTIMIZERS` where the CPU alone does, its threads' spin-waiting stopped when a run returns
+    (`SPINNING_STOP_KEY`), and an int8 graph's products exact on a CPU without VNNI (`EXACT_INT8_KEY`); returns each
+    provider's options (`options_per_provider`)."""
     off = CUDA_DISABLED_OPTIMIZERS if PROVIDERS["cuda"] in providers else CPU_DISABLED_OPTIMIZERS
     options.add_session_config_entry(DISABLED_OPTIMIZERS_KEY, ";".join(off))
+    if not config_entry(options, SPINNING_STOP_KEY):  # unless the caller chose
+        options.add_session_config_entry(SPINNING_STOP_KEY, "1")
     if precision == "int8" and PROVIDERS["cpu"] in providers and cpu.int8_pairs_saturate():
         options.add_session_config_entry(EXACT_INT8_KEY, "1")  # a graph quantised for a VNNI CPU serves as there
     return options_per_provider(providers, tf32, given, precision)
