@@ -334,13 +334,11 @@ def test_the_semantic_scores_are_resized_only_at_class_borders(seed, originals, 
 def _semantic_both_ways(masks: np.ndarray, classes: np.ndarray, rows, cols):
     """The semantic map and margins of one picture's field from the cells' bounds (where they decide), and from
     every pixel's scores; which pixels the bounds decided."""
-    def field():
-        return _mask_passes.Upsampled(masks, rows, cols)
-
-    bound = _mask_passes._SemanticMap(classes, field().shape[1:], margins=True)
-    bounded = _mask_passes._bounded(field(), bound)
-    every = _mask_passes._SemanticMap(classes, field().shape[1:], margins=True)
-    _mask_passes._per_pixel(field(), every)
+    field = _mask_passes.Upsampled(masks, rows, cols)
+    bound = _mask_passes._SemanticMap(classes, field.shape[1:], margins=True)
+    bounded = _mask_passes._bounded(field, bound)
+    every = _mask_passes._SemanticMap(classes, field.shape[1:], margins=True)
+    _mask_passes._per_pixel(field, every)
     return bound, every, bounded
 
 
@@ -392,12 +390,12 @@ def test_weights_below_zero_are_not_bounded():
 
 def test_taps_that_are_not_windows_are_not_bounded():
     index, weight = (np.array(a) for a in _mask_resize._taps(8, 20))
-    assert _mask_passes._windows((index, weight), 8, 20)[1] == 2
+    assert _mask_passes._windows((index, weight), 8)[1] == 2
     gap, negative = index.copy(), weight.copy()
     gap[5, 1] += 1  # taps two apart
     negative[5] = (-0.25, 1.25)  # a weight below 0: outputs may leave their taps' range
-    assert _mask_passes._windows((gap, weight), 8, 20) is None
-    assert _mask_passes._windows((index, negative), 8, 20) is None
+    assert _mask_passes._windows((gap, weight), 8) is None
+    assert _mask_passes._windows((index, negative), 8) is None
 
 
 @pytest.mark.parametrize("before", [True, False])

@@ -183,9 +183,8 @@ class _SemanticMap:
         best = scores.argmax(-1)
         if self.decided is None:
             return best, None
-        top = np.take_along_axis(scores, best[:, None], 1)[:, 0]
-        np.put_along_axis(scores, best[:, None], -np.inf, 1)
-        return best, top - scores.max(-1) > self.tolerance * top
+        top, other = _top_and_other(scores, best)
+        return best, top - other > self.tolerance * top
 
     def band(self, start: int, stop: int, probs: np.ndarray, logits: np.ndarray | None) -> None:
         q, rows, w = probs.shape
@@ -205,6 +204,16 @@ class _SemanticMap:
         step = max(1, _BAND // len(self.classes))
         with _one_blas_thread():
             _each(run, [slice(s, s + step) for s in range(0, len(ys), step)])
+
+
+def _top_and_other(scores: np.ndarray, best: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[n, K] scores → each row's score at `best`, and the greatest of its others (scores left as they were)."""
+    rows = np.arange(len(best))
+    top = scores[rows, best]
+    scores[rows, best] = -np.inf
+    other = scores.max(-1)
+    scores[rows, best] = top
+    return top, other
 
 
 def semantic_resized(field: Upsampled, classes: np.ndarray, rows: Taps | None, cols: Taps | None) -> np.ndarray:
@@ -228,13 +237,13 @@ def semantic_resized(field: Upsampled, classes: np.ndarray, rows: Taps | None, c
     return resized
 
 
-def _windows(taps: Taps | None, size: int, out: int) -> tuple[np.ndarray, int] | None:
+def _windows(taps: Taps | None, size: int) -> tuple[np.ndarray, int] | None:
     """Per output, the start of the window of k consecutive inputs holding its taps, and k; None where the taps are
     not such windows or a weight is negative (a bound needs outputs inside their inputs' range)."""
     index, weight = taps if taps is not None else _identity(size)
     k = min(index.shape[1], size)
     start = np.minimum(index[:, 0], size - k)  # _taps' last outputs read (size-1, size-1): inside (size-2, size-1)
-    if len(index) != out or (weight < 0).any() or ((index < start[:, None]) | (index >= start[:, None] + k)).any():
+    if (weight < 0).any() or ((index < start[:, None]) | (index >= start[:, None] + k)).any():
         return None
     return start, k
 
@@ -267,7 +276,7 @@ def _bounded(field: Upsampled, semantic: _SemanticMap) -> np.ndarray | None:
     the taps are not windows or a class weight is negative or not a number (every rule's weights are
     probabilities)."""
     (q, h, w), classes = field.masks.shape, semantic.classes
-    rows, cols = _windows(field.rows, h, field.shape[1]), _windows(field.cols, w, field.shape[2])
+    rows, cols = _windows(field.rows, h), _windows(field.cols, w)
     if rows is None or cols is None or not (classes >= 0).all():  # a negative weight turns the box's bounds over
         return None
 
@@ -296,12 +305,8 @@ def _bounded(field: Upsampled, semantic: _SemanticMap) -> np.ndarray | None:
         least, most = _each(lambda bound: probabilities(*bound), [(np.minimum, -1), (np.maximum, 1)])
         low, high = _each(lambda probs: probs @ classes, [least, most])
         best = low.argmax(-1)
-        cells = np.arange(len(best))
-        own = high[cells, best]
-        high[cells, best] = -np.inf
-        other = high.max(-1)  # first c's least score against the greatest of any other class
-        high[cells, best] = own
-        sure = low[cells, best] - rounding * (own + other) - other > 2 * semantic.tolerance * own
+        own, other = _top_and_other(high, best)  # first c's least score against the greatest of any other class
+        sure = low[np.arange(len(best)), best] - rounding * (own + other) - other > 2 * semantic.tolerance * own
         # the lead over the box is at most the lead at its greatest corner: where that is short, so is the box's
         hopeless = own - other <= 2 * semantic.tolerance * own
         loose = [over[~(sure | hopeless)[over]] for over in (np.flatnonzero(best == c) for c in np.unique(best))]
